@@ -1,0 +1,93 @@
+"""
+Shared fixtures: a short factories root dir, the extension installed the way
+``pip install .`` installs it, and a builder for real multi-master clusters.
+"""
+
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "_utils"))
+sys.path.insert(0, str(REPO))
+
+# salt-factories leaves salt's temporary logging handler writing to closed
+# streams at teardown: shut it down now and keep the root logger quiet.
+try:
+    import salt._logging.impl  # pylint: disable=wrong-import-position
+
+    salt._logging.impl.shutdown_temp_handler()
+except Exception:  # pylint: disable=broad-except  # pragma: no cover
+    pass
+logging.getLogger().addHandler(logging.NullHandler())
+
+from tests.support.cluster import Cluster  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.fixture(scope="session")
+def mm_root():
+    """A short per-session root: unix socket paths must stay under ~107 chars."""
+    root = tempfile.mkdtemp(prefix="mm-", dir="/tmp")
+    os.chmod(root, 0o755)
+    yield pathlib.Path(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pip_site(mm_root):
+    """
+    ``pip install .`` (a real, non-editable wheel build) into a private site
+    directory, put on PYTHONPATH for every daemon and CLI the tests start.
+    Salt finds the extension through its ``salt.loader`` entry point there.
+    """
+    site = mm_root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--target", str(site), str(REPO)],
+        check=True,
+    )
+    shutil.rmtree(REPO / "build", ignore_errors=True)
+    for egg in REPO.glob("*.egg-info"):
+        shutil.rmtree(egg, ignore_errors=True)
+    return site
+
+
+@pytest.fixture(scope="session")
+def salt_factories_config(mm_root, pip_site):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(pip_site), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return {"root_dir": str(mm_root / "f"), "start_timeout": 120}
+
+
+@pytest.fixture(scope="session")
+def clean_environ():
+    """The environment without the pip-installed extension (file_roots path)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def cluster_factory(salt_factories):
+    """
+    ``cluster_factory(name, peers=1, minions=1, ...)`` builds (not starts) a
+    :class:`tests.support.cluster.Cluster`; every cluster built is stopped at
+    the end of the session at the latest.
+    """
+    built = []
+
+    def factory(name, **kwargs):
+        cluster = Cluster(salt_factories, name, **kwargs)
+        built.append(cluster)
+        return cluster
+
+    yield factory
+    for cluster in built:
+        cluster.stop()

@@ -1,0 +1,71 @@
+"""
+The second install path: the repository as a file_roots root, nothing pip
+installed.  ``saltutil.sync_all`` on the minion and ``saltutil.sync_runners``
+on the master make the extension load, and ``salt.multimaster`` is an SLS.
+"""
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.daemons
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory, clean_environ):
+    cluster = cluster_factory(
+        "fro",
+        peers=0,
+        minions=1,
+        environ=clean_environ,
+        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+def test_not_loaded_before_sync(cluster):
+    minion = cluster.minions[0].id
+    ret = cluster.salt(cluster.primary, "multimaster.version", minion_tgt=minion)
+    assert "is not available" in str(ret.data)
+    ret = cluster.salt_run(cluster.primary, "multimaster.version")
+    assert ret.returncode != 0 or "is not available" in ret.stdout
+
+
+def test_sync_all_loads_module_and_states(cluster):
+    minion = cluster.minions[0].id
+    ret = cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion)
+    assert ret.returncode == 0, ret
+    assert "modules.multimaster" in ret.data["modules"]
+    assert "states.multimaster" in ret.data["states"]
+    assert "utils.salt_multimaster" in str(ret.data["utils"])
+    ret = cluster.salt(cluster.primary, "multimaster.version", minion_tgt=minion)
+    assert ret.returncode == 0, ret
+    assert "/extmods/modules/" in ret.data["module"]
+    ret = cluster.salt(cluster.primary, "sys.doc", "multimaster", minion_tgt=minion)
+    assert "CLI Example" in ret.data["multimaster.version"]
+
+
+def test_sync_runners_loads_runner(cluster):
+    ret = cluster.salt_run(cluster.primary, "saltutil.sync_runners")
+    assert ret.returncode == 0, ret
+    assert "runners.multimaster" in ret.data
+    ret = cluster.salt_run(cluster.primary, "multimaster.version")
+    assert ret.returncode == 0, ret
+    assert "/extmods/runners/" in ret.data["runner"]
+    # Salt has no runner named sys.doc: runner docs come from doc.runner / salt-run -d
+    ret = cluster.salt_run(cluster.primary, "doc.runner")
+    assert "CLI Example" in ret.data["multimaster.version"], ret
+    ret = cluster.salt_run(cluster.primary, "-d", "multimaster")
+    assert "CLI Example" in ret.stdout, ret
+
+
+def test_formula_is_an_sls(cluster):
+    minion = cluster.minions[0].id
+    ret = cluster.salt(cluster.primary, "state.show_sls", "salt.multimaster",
+                       minion_tgt=minion)
+    assert ret.returncode == 0, ret
+    assert isinstance(ret.data, dict) and ret.data, ret
+    assert all(sls.startswith("salt.multimaster") for sls in
+               {v["__sls__"] for v in ret.data.values()}), ret.data

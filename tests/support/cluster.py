@@ -1,0 +1,336 @@
+"""
+A real multi-master Salt cluster for tests, built on pytest-salt-factories.
+
+Layout (one cluster):
+
+* ``primary``: a salt-master on ``<prefix>.2`` (default ports 4505/4506);
+* ``peers``: N salt-masters on ``<prefix>.3``, ``<prefix>.4`` ... (same ports);
+* ``peer_minions``: one salt-minion per peer host, a minion of the primary only,
+  whose ``multimaster.master_config`` points at that peer's master config;
+* ``minions``: M salt-minions whose ``master`` option lists every master.
+
+Each cluster gets its own random ``127.x.y.0/24`` prefix so that clusters of
+concurrent test sessions never share an address.  Masters never auto-accept
+keys: keys are pre-seeded (``seed_key``) the way an operator pre-seeds them, or
+accepted with ``salt-key`` by the test.
+"""
+
+import json
+import logging
+import os
+import pathlib
+import random
+import shutil
+import socket
+import subprocess
+import time
+
+import salt.utils.crypt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from pytestshellutils.exceptions import FactoryTimeout
+
+log = logging.getLogger(__name__)
+
+PUBLISH_PORT = 4505
+RET_PORT = 4506
+KEY_DIRS = ("minions", "minions_pre", "minions_rejected", "minions_denied")
+
+
+def _noop_auth_event(master, payload):  # pylint: disable=unused-argument
+    """Masters in these tests never auto-accept keys."""
+
+
+def _addr_free(addr):
+    for port in (PUBLISH_PORT, RET_PORT):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((addr, port))
+        except OSError:
+            return False
+        finally:
+            sock.close()
+    return True
+
+
+def pick_prefix(count):
+    """
+    Return a ``127.x.y`` prefix whose ``.2`` .. ``.(2+count)`` addresses have
+    ports 4505 and 4506 free.
+    """
+    rng = random.SystemRandom()
+    for _ in range(200):
+        prefix = f"127.{rng.randint(100, 250)}.{rng.randint(0, 255)}"
+        if all(_addr_free(f"{prefix}.{2 + i}") for i in range(count)):
+            return prefix
+    raise RuntimeError("no free loopback prefix found for a test cluster")
+
+
+def master_key_paths(pki_dir):
+    """
+    The files a running master loads for its keypair: Salt 3008 keeps
+    ``<id>.pem``/``<id>.pub`` with ``master.pem``/``master.pub`` symlinks to
+    them, Salt 3007 keeps ``master.pem``/``master.pub``.  Return resolved
+    (private, public) paths.
+    """
+    pki_dir = pathlib.Path(pki_dir)
+    return (
+        pathlib.Path(os.path.realpath(pki_dir / "master.pem")),
+        pathlib.Path(os.path.realpath(pki_dir / "master.pub")),
+    )
+
+
+class Cluster:
+    """
+    A primary master, its peers, the peers' own minions and ordinary minions.
+    """
+
+    def __init__(
+        self,
+        factories,
+        name,
+        peers=1,
+        minions=1,
+        share_master_keys=True,
+        accept_on_peers=True,
+        master_overrides=None,
+        primary_overrides=None,
+        minion_overrides=None,
+        environ=None,
+    ):
+        self.factories = factories
+        self.name = name
+        self.prefix = pick_prefix(peers + 1)
+        self.share_master_keys = share_master_keys
+        self.accept_on_peers = accept_on_peers
+        self.environ = environ
+        self.minion_overrides = minion_overrides or {}
+        base = {
+            "publish_port": PUBLISH_PORT,
+            "ret_port": RET_PORT,
+            "log_level_logfile": "debug",
+        }
+        base.update(master_overrides or {})
+        primary_conf = dict(base, interface=f"{self.prefix}.2")
+        primary_conf.update(primary_overrides or {})
+        self.primary = factories.salt_master_daemon(
+            f"{name}-primary",
+            overrides=primary_conf,
+            on_auth_event_callback=_noop_auth_event,
+            start_timeout=120,
+        )
+        self._env(self.primary)
+        self.peers = [
+            factories.salt_master_daemon(
+                f"{name}-peer{i + 1}",
+                overrides=dict(base, interface=f"{self.prefix}.{3 + i}"),
+                on_auth_event_callback=_noop_auth_event,
+                start_timeout=120,
+            )
+            for i in range(peers)
+        ]
+        for peer in self.peers:
+            self._env(peer)
+        self.peer_minions = [
+            self._minion(
+                f"{name}-peer{i + 1}",
+                [self.primary],
+                {"multimaster.master_config": str(peer.config_file)},
+            )
+            for i, peer in enumerate(self.peers)
+        ]
+        self.minions = [
+            self._minion(f"{name}-minion{j + 1}", self.masters, {})
+            for j in range(minions)
+        ]
+
+    # ----- construction -------------------------------------------------
+    def _env(self, factory):
+        """Give a daemon or CLI factory this cluster's own environment."""
+        if self.environ is not None:
+            factory.environ = dict(self.environ)
+        return factory
+
+    def _minion(self, minion_id, masters, extra):
+        overrides = {
+            "master": [m.config["interface"] for m in masters],
+            "master_port": RET_PORT,
+            "publish_port": PUBLISH_PORT,
+            "acceptance_wait_time": 1,
+            "acceptance_wait_time_max": 2,
+            "random_reauth_delay": 0,
+            "recon_default": 100,
+            "recon_max": 500,
+            "recon_randomize": False,
+            "log_level_logfile": "debug",
+        }
+        overrides.update(self.minion_overrides)
+        overrides.update(extra)
+        return self._env(
+            self.primary.salt_minion_daemon(
+                minion_id, overrides=overrides, start_timeout=120
+            )
+        )
+
+    @property
+    def masters(self):
+        return [self.primary, *self.peers]
+
+    @property
+    def all_minions(self):
+        return [*self.peer_minions, *self.minions]
+
+    # ----- keys ---------------------------------------------------------
+    @staticmethod
+    def ensure_minion_key(minion):
+        """Generate the minion's keypair now, as its first start would."""
+        pki = pathlib.Path(minion.config["pki_dir"])
+        pki.mkdir(parents=True, exist_ok=True)
+        if not (pki / "minion.pub").exists():
+            key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+            priv = key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.TraditionalOpenSSL,
+                serialization.NoEncryption(),
+            )
+            pub = key.public_key().public_bytes(
+                serialization.Encoding.PEM,
+                serialization.PublicFormat.SubjectPublicKeyInfo,
+            )
+            (pki / "minion.pem").write_bytes(priv)
+            os.chmod(pki / "minion.pem", 0o400)
+            (pki / "minion.pub").write_bytes(pub)
+        return (pki / "minion.pub").read_text()
+
+    @staticmethod
+    def seed_key(master, minion, state="minions"):
+        """Pre-seed ``minion``'s public key into ``master``'s pki_dir/<state>."""
+        pub = Cluster.ensure_minion_key(minion)
+        dest = pathlib.Path(master.config["pki_dir"]) / state
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / minion.id).write_text(pub)
+
+    def copy_master_keys(self, src, dst):
+        """Copy ``src``'s master keypair to ``dst`` (stopped), as the seeds do by hand."""
+        priv, pub = master_key_paths(src.config["pki_dir"])
+        dst_pki = pathlib.Path(dst.config["pki_dir"])
+        dst_pki.mkdir(parents=True, exist_ok=True)
+        dst_priv, dst_pub = master_key_paths(dst_pki)
+        for path in (dst_priv, dst_pub):
+            if path.exists() and path.name not in ("master.pem", "master.pub"):
+                path.unlink()
+        for link in ("master.pem", "master.pub"):
+            if (dst_pki / link).is_symlink() or (dst_pki / link).exists():
+                (dst_pki / link).unlink()
+        shutil.copyfile(priv, dst_pki / "master.pem")
+        os.chmod(dst_pki / "master.pem", 0o400)
+        shutil.copyfile(pub, dst_pki / "master.pub")
+
+    # ----- lifecycle ----------------------------------------------------
+    def start(self):
+        """Start primary, peers (sharing keys if asked), then all minions."""
+        for minion in self.peer_minions:
+            self.seed_key(self.primary, minion)
+        for minion in self.minions:
+            self.seed_key(self.primary, minion)
+            if self.accept_on_peers:
+                for peer in self.peers:
+                    self.seed_key(peer, minion)
+        self.primary.start()
+        for peer in self.peers:
+            if self.share_master_keys:
+                self.copy_master_keys(self.primary, peer)
+            peer.start()
+        for minion in self.all_minions:
+            minion.start()
+        return self
+
+    def stop(self):
+        for daemon in reversed([*self.masters, *self.all_minions]):
+            try:
+                daemon.terminate()
+            except Exception:  # pylint: disable=broad-except
+                log.exception("stopping %s", daemon)
+
+    def restart(self, daemon):
+        daemon.terminate()
+        daemon.start()
+
+    # ----- CLIs -----------------------------------------------------------
+    def salt(self, master, *args, minion_tgt="*", timeout=60, **kwargs):
+        cli = self._env(master.salt_cli(timeout=timeout))
+        return cli.run(*args, minion_tgt=minion_tgt, **kwargs)
+
+    def salt_run(self, master, *args, timeout=180, **kwargs):
+        return self._env(master.salt_run_cli(timeout=timeout)).run(*args, **kwargs)
+
+    def salt_key(self, master, *args, **kwargs):
+        return self._env(master.salt_key_cli()).run(*args, **kwargs)
+
+    def salt_call(self, minion, *args, timeout=120, **kwargs):
+        return self._env(minion.salt_call_cli(timeout=timeout)).run(*args, **kwargs)
+
+    def ping(self, master, minion_id, timeout=10):
+        """True when ``minion_id`` answers test.ping through ``master``."""
+        try:
+            ret = self.salt(master, "test.ping", f"--timeout={timeout}",
+                            minion_tgt=minion_id, timeout=timeout + 30)
+        except FactoryTimeout:
+            return False
+        return ret.returncode == 0 and ret.data is True
+
+    def wait_ping(self, master, minion_id, deadline=90):
+        """Ping until ``minion_id`` answers through ``master`` or ``deadline`` s pass."""
+        end = time.time() + deadline
+        while time.time() < end:
+            if self.ping(master, minion_id, timeout=5):
+                return True
+            time.sleep(1)
+        return False
+
+    # ----- reading a master's state ---------------------------------------
+    @staticmethod
+    def pki_dir(master):
+        return pathlib.Path(master.config["pki_dir"])
+
+    @staticmethod
+    def keys(master):
+        """``{state_dir: {id: pub}}`` read straight from a master's pki_dir."""
+        ret = {}
+        for state in KEY_DIRS:
+            path = pathlib.Path(master.config["pki_dir"]) / state
+            ret[state] = (
+                {p.name: p.read_text() for p in sorted(path.iterdir()) if p.is_file()}
+                if path.is_dir()
+                else {}
+            )
+        return ret
+
+    @staticmethod
+    def file_root(master, saltenv="base", kind="file_roots"):
+        return pathlib.Path(master.config[kind][saltenv][0])
+
+    @staticmethod
+    def job_cache(master):
+        return pathlib.Path(master.config["cachedir"]) / "jobs"
+
+    @staticmethod
+    def master_fingerprint(master):
+        _, pub = master_key_paths(master.config["pki_dir"])
+        return salt.utils.crypt.pem_finger(str(pub), sum_type="sha256")
+
+    @staticmethod
+    def log_files(daemon):
+        return [pathlib.Path(daemon.config["log_file"])]
+
+
+def read_json(text):
+    return json.loads(text)
+
+
+def run(cmd, **kwargs):
+    """subprocess.run with text output, for non-Salt commands in tests."""
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    return subprocess.run(cmd, check=False, **kwargs)  # pylint: disable=subprocess-run-check
+
