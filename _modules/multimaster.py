@@ -41,3 +41,9 @@ def version():
         salt '*' multimaster.version
     """
     return {"version": salt_multimaster.__version__, "module": __file__}
+
+
+# ---------------------------------------------------------------------------
+# Minion configuration helpers used by the multimaster states.  Everything
+# below this line belongs to the states' logic; the audit lives above it.
+# ---------------------------------------------------------------------------

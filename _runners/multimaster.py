@@ -83,3 +83,9 @@ def version():
     import salt_multimaster  # pylint: disable=import-outside-toplevel
 
     return {"version": salt_multimaster.__version__, "runner": __file__}
+
+
+# ---------------------------------------------------------------------------
+# Fleet audit (salt-run multimaster.audit).  Everything below this line
+# belongs to the audit; sync/status live above it.
+# ---------------------------------------------------------------------------
