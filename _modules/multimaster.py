@@ -47,3 +47,459 @@ def version():
 # Minion configuration helpers used by the multimaster states.  Everything
 # below this line belongs to the states' logic; the audit lives above it.
 # ---------------------------------------------------------------------------
+
+# The helpers below are thin: the logic (validation, deduplication,
+# rendering, fingerprints) lives in salt_multimaster.minion_config.
+import os as _mm_os  # pylint: disable=wrong-import-position
+import time as _mm_time  # pylint: disable=wrong-import-position
+
+import salt.utils.args as _mm_args  # pylint: disable=wrong-import-position
+from salt.exceptions import (  # pylint: disable=wrong-import-position
+    CommandExecutionError as _MMCommandExecutionError,
+)
+from salt.exceptions import (  # pylint: disable=wrong-import-position
+    SaltInvocationError as _MMSaltInvocationError,
+)
+
+try:
+    import salt_multimaster.minion_config  # pylint: disable=wrong-import-position
+
+    _MM_CONF = salt_multimaster.minion_config
+except ImportError:  # pragma: no cover  (reported by __virtual__)
+    _MM_CONF = None
+
+_MM_DEFAULT_RESTART_CMD = "salt-call --local service.restart salt-minion"
+_MM_DEFAULT_RESTART_DELAY = 5
+
+
+def _mm_pillar():
+    """The ``multimaster`` pillar (plain values: ``__pillar__`` is not masked)."""
+    data = (__pillar__ or {}).get("multimaster") or {}
+    return data if isinstance(data, dict) else {}
+
+
+def _mm_conf_file():
+    return __opts__.get("conf_file") or "/etc/salt/minion"
+
+
+def minion_config_path(name=None):
+    """
+    Return the path of the managed minion.d drop-in.
+
+    name
+        A file name (placed in the ``minion.d`` folder beside the minion's own
+        configuration file) or an absolute path.  Default ``multimaster.conf``.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.minion_config_path
+    """
+    conf_file = _mm_conf_file()
+    if not name:
+        return _MM_CONF.default_dropin_path(conf_file)
+    if _mm_os.path.isabs(name):
+        return name
+    return _mm_os.path.join(_mm_os.path.dirname(conf_file), "minion.d", name)
+
+
+def minion_config_check(masters=None, name=None, **settings):
+    """
+    Compare the managed drop-in with the wanted master list and HA settings,
+    changing nothing.
+
+    masters
+        The masters (a list); default pillar ``multimaster:masters``.
+        Duplicates (also ``host`` vs ``host:<master_port>``) are removed,
+        the order is kept.
+
+    name
+        The drop-in, see :py:func:`minion_config_path`.
+
+    settings
+        Any of master_type, master_alive_interval, random_master,
+        master_failback, master_failback_interval, retry_dns, auth_tries,
+        verify_master_pubkey_sign, ipc_mode, tcp_pub_port, tcp_pull_port.
+
+    Returns ``path``, ``errors`` (invalid input: nothing may be written),
+    ``current`` and ``desired`` settings, ``changes`` (``{key: {old, new}}``),
+    ``rewrite`` (the file's text differs), ``restart_needed`` and ``notes``.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.minion_config_check masters='[m1, m2]' master_alive_interval=30
+    """
+    settings = _mm_args.clean_kwargs(**settings)
+    if masters is None:
+        masters = _mm_pillar().get("masters")
+    path = minion_config_path(name)
+    conf_file = _mm_conf_file()
+    merged, _ = _MM_CONF.effective_config(conf_file)
+    master_port = merged.get("master_port", __opts__.get("master_port", 4506))
+    try:
+        master_port = int(master_port)
+    except (TypeError, ValueError):
+        master_port = _MM_CONF.DEFAULT_MASTER_PORT
+    ret = {
+        "path": path,
+        "errors": [],
+        "current": {},
+        "desired": None,
+        "changes": {},
+        "rewrite": False,
+        "restart_needed": False,
+        "notes": [],
+    }
+    text = _MM_CONF.read_text(path)
+    current = _MM_CONF.parse(text)
+    if current is None:
+        ret["notes"].append(f"{path} is not valid YAML: it will be replaced")
+        current = {}
+    ret["current"] = current
+    resolved = {}
+    if isinstance(masters, (list, tuple)):
+        hosts = []
+        for entry in masters:
+            try:
+                hosts.append(_MM_CONF.split_master(entry, master_port)[0])
+            except ValueError:
+                pass
+        resolved = _MM_CONF.resolve_hosts(hosts)
+    ret["errors"] = _MM_CONF.validate(masters, settings, master_port, resolved)
+    if ret["errors"]:
+        return ret
+    desired, notes = _MM_CONF.desired(masters, settings, master_port, resolved)
+    ret["notes"].extend(notes)
+    overridden = _MM_CONF.overriding_files(conf_file, path, list(desired))
+    if "*" in overridden:
+        ret["errors"].append(overridden["*"])
+        return ret
+    if overridden:
+        ret["errors"].append(
+            "Salt reads these files after {} and they set the same keys again: {}; "
+            "remove the keys there".format(
+                path, ", ".join(f"{k} ({p})" for k, p in sorted(overridden.items()))
+            )
+        )
+        return ret
+    ret["desired"] = desired
+    ret["content"] = _MM_CONF.render(desired)
+    ret["changes"] = _MM_CONF.diff(current, desired)
+    ret["rewrite"] = text != ret["content"]
+    ret["restart_needed"] = bool(ret["changes"])
+    for key, value in desired.items():
+        if key in ("master", "tcp_pub_port", "tcp_pull_port"):
+            continue
+        if not ret["changes"] and __opts__.get(key) != value:
+            ret["notes"].append(
+                f"the running minion still uses {key}={__opts__.get(key)!r}: "
+                "it loads the drop-in when it restarts"
+            )
+    return ret
+
+
+def minion_config_apply(masters=None, name=None, **settings):
+    """
+    Write the managed drop-in (temp file in the same folder, fsync, rename)
+    when it differs, and return :py:func:`minion_config_check`'s answer with
+    ``written``.  The minion is not restarted here: see
+    :py:func:`restart_minion` (the ``multimaster.minion_config`` state does
+    both).
+
+    Raises SaltInvocationError for invalid input (nothing is written).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.minion_config_apply masters='[m1, m2]' master_alive_interval=30
+    """
+    ret = minion_config_check(masters=masters, name=name, **settings)
+    if ret["errors"]:
+        raise _MMSaltInvocationError("; ".join(ret["errors"]))
+    ret["written"] = False
+    if ret["rewrite"]:
+        try:
+            _MM_CONF.atomic_write(ret["path"], ret["content"], mode=0o644)
+        except OSError as exc:
+            raise _MMCommandExecutionError(f"cannot write {ret['path']}: {exc}") from exc
+        ret["written"] = True
+        log.info("multimaster: wrote %s", ret["path"])
+        after = minion_config_check(masters=masters, name=name, **settings)
+        if after["rewrite"] or after["errors"]:
+            raise _MMCommandExecutionError(
+                f"{ret['path']} does not hold the wanted settings after writing it"
+            )
+    return ret
+
+
+def _mm_backup_dir():
+    stamp = _mm_time.strftime("%Y%m%dT%H%M%S", _mm_time.gmtime())
+    return _mm_os.path.join(
+        __opts__.get("cachedir", "/var/cache/salt/minion"),
+        "multimaster",
+        "backup",
+        f"{stamp}-{_mm_os.getpid()}",
+    )
+
+
+def master_key_path(name=None, topology=None):
+    """
+    Return the path of the master key this minion trusts: ``pki_dir``'s
+    ``minion_master.pub``, or ``master_sign.pub`` in topology ``signed``.
+
+    name
+        A file name in the minion's ``pki_dir`` or an absolute path.
+
+    topology
+        ``shared`` or ``signed``; default pillar ``multimaster:topology``.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.master_key_path topology=signed
+    """
+    topology = topology or _mm_pillar().get("topology") or "shared"
+    if not name:
+        name = _MM_CONF.master_key_name(topology, __opts__.get("master_sign_key_name"))
+    if _mm_os.path.isabs(name):
+        return name
+    return _mm_os.path.join(__opts__["pki_dir"], name)
+
+
+def master_key_check(
+    name=None, contents=None, source=None, master_finger=None, topology=None, saltenv="base"
+):
+    """
+    Compare the cached master key with the expected one, changing nothing.
+
+    name
+        See :py:func:`master_key_path`.
+
+    contents
+        The expected PEM public key (``master.pub``, or ``master_sign.pub`` in
+        topology ``signed``).
+
+    source
+        Where to fetch the expected key instead, e.g.
+        ``salt://keys/master.pub``.
+
+    master_finger
+        The expected fingerprint (``salt-key -F master``); default pillar
+        ``multimaster:master_finger``.  With contents or source it must match
+        them; alone it checks the cached key.
+
+    Returns ``path``, ``errors``, ``match``, ``current_finger``,
+    ``expected_finger`` and ``expected`` (the key text, when known).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.master_key_check master_finger='ab:cd:...'
+    """
+    topology = topology or _mm_pillar().get("topology") or "shared"
+    if master_finger is None:
+        master_finger = _mm_pillar().get("master_finger")
+    path = master_key_path(name, topology)
+    ret = {
+        "path": path,
+        "errors": [],
+        "match": False,
+        "current_finger": None,
+        "expected_finger": None,
+        "expected": None,
+    }
+    if topology not in _MM_CONF.TOPOLOGIES:
+        ret["errors"].append(f"topology {topology!r} is not one of shared, signed")
+        return ret
+    if master_finger and not _MM_CONF.valid_finger(master_finger):
+        ret["errors"].append(f"master_finger {master_finger!r} is not a key fingerprint")
+        return ret
+    expected = contents
+    if expected is None and source:
+        try:
+            expected = __salt__["cp.get_file_str"](source, saltenv=saltenv)
+        except Exception as exc:  # pylint: disable=broad-except
+            ret["errors"].append(f"cannot fetch {source}: {exc}")
+            return ret
+        if not expected:
+            ret["errors"].append(f"cannot fetch {source}: no such file on the master")
+            return ret
+    if expected is not None:
+        expected = _MM_CONF.normalize_pem(expected)
+        if not _MM_CONF.looks_like_public_key(expected):
+            ret["errors"].append("the expected master key is not a PEM public key")
+            return ret
+        if master_finger and not _MM_CONF.finger_matches(expected, master_finger):
+            ret["errors"].append(
+                "the expected master key does not have fingerprint {}".format(master_finger)
+            )
+            return ret
+    elif not master_finger:
+        ret["errors"].append(
+            "give the expected key (contents or source) or its master_finger"
+        )
+        return ret
+    sum_type = __opts__.get("hash_type", "sha256")
+    if master_finger:
+        sum_type = {
+            32: "md5", 40: "sha1", 56: "sha224", 64: "sha256", 96: "sha384", 128: "sha512"
+        }[len(_MM_CONF.normalize_finger(master_finger))]
+    current = _MM_CONF.read_text(path)
+    if current:
+        ret["current_finger"] = _MM_CONF.key_finger(current, sum_type)
+    if expected is not None:
+        ret["expected"] = expected
+        ret["expected_finger"] = _MM_CONF.key_finger(expected, sum_type)
+        ret["match"] = current is not None and _MM_CONF.normalize_pem(current) == expected
+    else:
+        ret["expected_finger"] = master_finger
+        ret["match"] = bool(current) and _MM_CONF.finger_matches(current, master_finger)
+    return ret
+
+
+def master_key_apply(
+    name=None, contents=None, source=None, master_finger=None, topology=None, saltenv="base"
+):
+    """
+    Make the cached master key the expected one: a stale key is moved to
+    ``<cachedir>/multimaster/backup/<timestamp>/`` and replaced (temp file,
+    fsync, rename), so the minion authenticates with the right key the next
+    time it connects.  Returns :py:func:`master_key_check`'s answer with
+    ``written`` and ``backup``.
+
+    Raises SaltInvocationError for invalid input and CommandExecutionError
+    when the cached key is wrong but no expected key content was given.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.master_key_apply source=salt://keys/master.pub
+    """
+    ret = master_key_check(
+        name=name, contents=contents, source=source, master_finger=master_finger,
+        topology=topology, saltenv=saltenv,
+    )
+    if ret["errors"]:
+        raise _MMSaltInvocationError("; ".join(ret["errors"]))
+    ret["written"] = False
+    ret["backup"] = None
+    if ret["match"]:
+        return ret
+    if ret["expected"] is None:
+        raise _MMCommandExecutionError(
+            "{} has fingerprint {}, not {}, and no key content was given to replace "
+            "it".format(ret["path"], ret["current_finger"], ret["expected_finger"])
+        )
+    path = ret["path"]
+    try:
+        if _mm_os.path.lexists(path):
+            backup_dir = _mm_backup_dir()
+            _mm_os.makedirs(backup_dir, mode=0o700, exist_ok=True)
+            backup = _mm_os.path.join(backup_dir, _mm_os.path.basename(path))
+            with open(path, "rb") as src, open(backup, "wb") as dst:
+                dst.write(src.read())
+            ret["backup"] = backup
+        _mm_os.makedirs(_mm_os.path.dirname(path), mode=0o700, exist_ok=True)
+        _MM_CONF.atomic_write(path, ret["expected"], mode=0o644)
+    except OSError as exc:
+        raise _MMCommandExecutionError(f"cannot replace {path}: {exc}") from exc
+    ret["written"] = True
+    log.info("multimaster: replaced %s (backup %s)", path, ret["backup"])
+    after = master_key_check(
+        name=name, contents=ret["expected"], master_finger=master_finger,
+        topology=topology, saltenv=saltenv,
+    )
+    if not after["match"]:
+        raise _MMCommandExecutionError(f"{path} does not hold the expected key after writing it")
+    return ret
+
+
+def _mm_pid_alive(pid):
+    try:
+        _mm_os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def restart_minion(cmd=None, delay=None):
+    """
+    Restart this minion in the background once the current job has returned,
+    the way salt-formula does it (a ``bg`` command running
+    ``salt-call --local service.restart salt-minion``).
+
+    The command waits until the job's process has exited (its return is sent
+    by then), then ``delay`` more seconds, then runs ``cmd``.  While a restart
+    is pending a second call schedules nothing.
+
+    cmd
+        The command to run; default pillar ``multimaster:minion_restart_cmd``,
+        else ``salt-call --local service.restart salt-minion``.
+
+    delay
+        Seconds to wait after the job exited; default pillar
+        ``multimaster:minion_restart_delay``, else 5.
+
+    Returns ``{"scheduled": bool, "pid": int, "cmd": str}``.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.restart_minion
+    """
+    pillar = _mm_pillar()
+    cmd = cmd or pillar.get("minion_restart_cmd") or _MM_DEFAULT_RESTART_CMD
+    if delay is None:
+        delay = pillar.get("minion_restart_delay", _MM_DEFAULT_RESTART_DELAY)
+    try:
+        delay = max(0, int(delay))
+    except (TypeError, ValueError) as exc:
+        raise _MMSaltInvocationError(f"delay {delay!r} is not a number of seconds") from exc
+    state_dir = _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster")
+    _mm_os.makedirs(state_dir, mode=0o700, exist_ok=True)
+    pending = _mm_os.path.join(state_dir, "restart.pending")
+    try:
+        with open(pending, encoding="utf-8") as fh:
+            pending_pid = int(fh.read().strip() or 0)
+    except (OSError, ValueError):
+        pending_pid = 0
+    if pending_pid and _mm_pid_alive(pending_pid):
+        return {"scheduled": False, "pid": pending_pid, "cmd": cmd}
+    # In a job process (multiprocessing), wait for it to exit: its return has
+    # been sent then.  Without multiprocessing the job is a thread of the
+    # minion itself: only the delay applies.
+    wait_pid = _mm_os.getpid() if __opts__.get("multiprocessing", True) else 0
+    script = (
+        "p={pid}; i=0; "
+        'while [ "$p" -gt 0 ] && [ $i -lt 2400 ] && [ -d /proc/$p ] && '
+        "! grep -q ') Z' /proc/$p/stat 2>/dev/null; do sleep 0.25; i=$((i+1)); done; "
+        "sleep {delay}; rm -f {pending}; {cmd}"
+    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd)
+    ret = __salt__["cmd.run_bg"](script, python_shell=True, cwd="/")
+    pid = int(ret.get("pid") or 0)
+    try:
+        _MM_CONF.atomic_write(pending, f"{pid}\n", mode=0o600)
+    except OSError:
+        log.warning("multimaster: cannot record the pending restart in %s", pending)
+    log.info("multimaster: minion restart scheduled (pid %s): %s", pid, cmd)
+    return {"scheduled": True, "pid": pid, "cmd": cmd}
+
+
+def _mm_quote(text):
+    import shlex  # pylint: disable=import-outside-toplevel
+
+    return shlex.quote(text)

@@ -1,9 +1,39 @@
 """
 Make a minion's multi-master configuration consistent and make it trust the
 expected master key.
+
+.. code-block:: yaml
+
+    multimaster-minion-multimaster-minion_config:
+      multimaster.minion_config:
+        - name: multimaster.conf          # in minion.d beside the minion config
+        - masters:
+          - master01.example.com
+          - master02.example.com
+        - master_alive_interval: 30
+
+    multimaster-minion-multimaster-master_key:
+      multimaster.master_key:
+        - name: minion_master.pub         # in the minion's pki_dir
+        - source: salt://keys/master.pub
+        - master_finger: 'ab:cd:...'
+
+Both states restart the minion in the background, after the state run has
+returned, only when they changed something and never in test mode.  The
+restart command is ``salt-call --local service.restart salt-minion`` unless
+the pillar key ``multimaster:minion_restart_cmd`` (or ``restart_cmd``) says
+otherwise; ``restart: False`` turns it off.
+
+The logic lives in the ``multimaster`` execution module
+(``multimaster.minion_config_check``/``_apply``, ``multimaster.master_key_check``
+/``_apply``, ``multimaster.restart_minion``).
 """
 
 import logging
+
+import salt.utils.args
+import salt.utils.data
+from salt.exceptions import CommandExecutionError, SaltInvocationError
 
 log = logging.getLogger(__name__)
 
@@ -25,3 +55,255 @@ def __virtual__():
         "multimaster: the salt_multimaster core is missing; pip install "
         "salt-multimaster, or run 'saltutil.sync_all' with the repository in file_roots",
     )
+
+
+def _notes(check):
+    return "".join(f" Note: {note}." for note in check.get("notes") or [])
+
+
+def _schedule_restart(ret, restart, restart_cmd, restart_delay):
+    """Schedule the background restart and record it in ``ret``."""
+    if not restart:
+        ret["comment"] += " The minion must restart to use it (restart: False)."
+        return
+    try:
+        sched = __salt__["multimaster.restart_minion"](cmd=restart_cmd, delay=restart_delay)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] += f" Scheduling the minion restart failed: {exc}"
+        return
+    if sched.get("scheduled"):
+        ret["changes"]["restart"] = f"scheduled after this job returns: {sched['cmd']}"
+        ret["comment"] += " The minion restarts in the background after this job returns."
+    else:
+        ret["comment"] += f" A minion restart is already pending (pid {sched.get('pid')})."
+
+
+def minion_config(
+    name, masters=None, restart=True, restart_cmd=None, restart_delay=None, **settings
+):
+    """
+    Manage the minion.d drop-in holding the master list and the multi-master
+    HA settings.
+
+    name
+        The drop-in: a file name in the ``minion.d`` folder beside the
+        minion's own configuration file (``multimaster.conf`` gives
+        ``/etc/salt/minion.d/multimaster.conf`` on a packaged install), or an
+        absolute path.
+
+    masters
+        The masters, a list; default pillar ``multimaster:masters``.
+        Duplicates are removed (``host``, ``HOST`` and ``host:<master_port>``
+        are one master) and the order is kept.
+
+    restart
+        Restart the minion in the background, after the state run returned,
+        when the drop-in changed.  Default True.  Never in test mode.
+
+    restart_cmd
+        The restart command; default pillar ``multimaster:minion_restart_cmd``,
+        else ``salt-call --local service.restart salt-minion``.
+
+    restart_delay
+        Seconds between the end of the job and the restart (default 5).
+
+    Settings written to the drop-in when given (omitted: not managed):
+    ``master_type`` (str, failover, func, disable), ``master_alive_interval``,
+    ``random_master``, ``master_failback``, ``master_failback_interval``,
+    ``retry_dns``, ``auth_tries``, ``verify_master_pubkey_sign``,
+    ``ipc_mode``, ``tcp_pub_port``, ``tcp_pull_port`` (an int, or a list of one
+    port per master).
+
+    Invalid values (masters not a list, negative intervals, port lists of the
+    wrong length, unknown settings) fail the state and write nothing.
+
+    .. code-block:: yaml
+
+        multimaster-minion-multimaster-minion_config:
+          multimaster.minion_config:
+            - name: multimaster.conf
+            - masters: [master01.example.com, master02.example.com]
+            - master_alive_interval: 30
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' state.single multimaster.minion_config multimaster.conf masters='[m1, m2]'
+    """
+    ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    settings = salt.utils.args.clean_kwargs(**settings)
+    try:
+        check = __salt__["multimaster.minion_config_check"](
+            masters=masters, name=name, **settings
+        )
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] = f"Cannot check the multi-master minion config: {exc}"
+        return ret
+    path = check["path"]
+    if check["errors"]:
+        ret["result"] = False
+        ret["comment"] = "Invalid multi-master minion settings, {} not written: {}".format(
+            path, "; ".join(check["errors"])
+        )
+        return ret
+    if not check["rewrite"]:
+        ret["comment"] = f"Multi-master minion config {path} is already set.{_notes(check)}"
+        return ret
+    changes = dict(check["changes"])
+    if not changes:
+        changes = {"file": f"{path} rewritten (same settings)"}
+    if __opts__["test"]:
+        ret["result"] = None
+        ret["changes"] = changes
+        ret["comment"] = "Multi-master minion config {} would be updated{}.{}".format(
+            path,
+            " and the minion restarted" if check["restart_needed"] and restart else "",
+            _notes(check),
+        )
+        return ret
+    try:
+        applied = __salt__["multimaster.minion_config_apply"](
+            masters=masters, name=name, **settings
+        )
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] = f"Failed to write the multi-master minion config {path}: {exc}"
+        return ret
+    ret["changes"] = dict(applied["changes"]) or changes
+    ret["comment"] = f"Updated the multi-master minion config {path}.{_notes(applied)}"
+    if applied["restart_needed"]:
+        _schedule_restart(ret, restart, restart_cmd, restart_delay)
+    return ret
+
+
+def master_key(
+    name,
+    contents=None,
+    contents_pillar=None,
+    source=None,
+    master_finger=None,
+    topology=None,
+    saltenv="base",
+    restart=True,
+    restart_cmd=None,
+    restart_delay=None,
+):
+    """
+    Make the minion trust the expected master key: its cached
+    ``minion_master.pub`` (topology ``shared``) or ``master_sign.pub``
+    (topology ``signed``) must be that key.  A stale key is backed up to
+    ``<cachedir>/multimaster/backup/<timestamp>/`` and replaced; the minion
+    then restarts in the background (as in
+    :py:func:`minion_config <salt.states.multimaster.minion_config>`) so that
+    it authenticates again with the right key.
+
+    name
+        A file name in the minion's ``pki_dir`` (``minion_master.pub`` or
+        ``master_sign.pub``) or an absolute path.
+
+    contents
+        The expected PEM public key.
+
+    contents_pillar
+        A pillar key (``a:b`` notation) holding the expected PEM public key,
+        e.g. ``multimaster:master_pub``.
+
+    source
+        Fetch the expected key from the master's file server instead, e.g.
+        ``salt://keys/master.pub``.
+
+    master_finger
+        The expected fingerprint (``salt-key -F master``); default pillar
+        ``multimaster:master_finger``.  With ``contents``/``source`` the key
+        must have it; alone, the cached key is checked and a mismatch fails
+        (there is nothing to replace it with).
+
+    topology
+        ``shared`` or ``signed``; default pillar ``multimaster:topology``.
+
+    restart, restart_cmd, restart_delay
+        As for ``multimaster.minion_config``.
+
+    .. code-block:: yaml
+
+        multimaster-minion-multimaster-master_key:
+          multimaster.master_key:
+            - name: minion_master.pub
+            - contents_pillar: multimaster:master_pub   # or contents / source
+            - master_finger: 'ab:cd:...'
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' state.single multimaster.master_key minion_master.pub source=salt://keys/master.pub
+    """
+    ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    if contents is None and contents_pillar:
+        contents = salt.utils.data.traverse_dict_and_list(
+            __pillar__, contents_pillar, None, delimiter=":"
+        )
+        if not contents:
+            ret["result"] = False
+            ret["comment"] = f"Pillar key {contents_pillar} holds no master key"
+            return ret
+    kwargs = dict(
+        name=name,
+        contents=contents,
+        source=source,
+        master_finger=master_finger,
+        topology=topology,
+        saltenv=saltenv,
+    )
+    try:
+        check = __salt__["multimaster.master_key_check"](**kwargs)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] = f"Cannot check the trusted master key: {exc}"
+        return ret
+    path = check["path"]
+    if check["errors"]:
+        ret["result"] = False
+        ret["comment"] = "Invalid trusted master key arguments, {} not written: {}".format(
+            path, "; ".join(check["errors"])
+        )
+        return ret
+    if check["match"]:
+        ret["comment"] = "Trusted master key {} is already {}.".format(
+            path, check["expected_finger"]
+        )
+        return ret
+    if check["expected"] is None:
+        ret["result"] = False
+        ret["comment"] = (
+            "Trusted master key {} has fingerprint {}, not {}, and no key content was "
+            "given to replace it (contents or source)".format(
+                path, check["current_finger"] or "(missing)", check["expected_finger"]
+            )
+        )
+        return ret
+    changes = {
+        "master_key": {"old": check["current_finger"], "new": check["expected_finger"]}
+    }
+    if __opts__["test"]:
+        ret["result"] = None
+        ret["changes"] = changes
+        ret["comment"] = "Trusted master key {} would be replaced{}.".format(
+            path, " and the minion restarted" if restart else ""
+        )
+        return ret
+    try:
+        applied = __salt__["multimaster.master_key_apply"](**kwargs)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] = f"Failed to replace the trusted master key {path}: {exc}"
+        return ret
+    ret["changes"] = changes
+    if applied.get("backup"):
+        ret["changes"]["backup"] = applied["backup"]
+    ret["comment"] = f"Replaced the trusted master key {path}."
+    _schedule_restart(ret, restart, restart_cmd, restart_delay)
+    return ret
