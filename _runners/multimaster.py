@@ -86,6 +86,431 @@ def version():
 
 
 # ---------------------------------------------------------------------------
+# Replication (salt-run multimaster.sync / multimaster.status)
+# ---------------------------------------------------------------------------
+_DEFAULT_TIMEOUT = 120
+
+
+def _conf(kwargs):
+    """The primary's ``multimaster`` config, overridden by runner kwargs."""
+    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+
+    conf = dict(__opts__.get("multimaster") or {})
+    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout"):
+        if kwargs.get(key) is not None:
+            conf[key] = kwargs[key]
+    conf.setdefault("topology", "shared")
+    conf.setdefault("replicate", list(replicate.CATEGORIES))
+    conf.setdefault("master_config_keys", list(replicate.DEFAULT_CONFIG_KEYS))
+    conf.setdefault("timeout", _DEFAULT_TIMEOUT)
+    for key in ("peers", "replicate", "master_config_keys"):
+        conf[key] = _as_list(conf.get(key))
+    return conf
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)
+
+
+def _invalid(message):
+    log.error("multimaster: %s", message)
+    __context__["retcode"] = 1
+    return {"result": False, "error": message, "retcode": 1}
+
+
+def _validate(conf, only):
+    """Return an error message for bad input, or None."""
+    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+
+    if conf["topology"] not in replicate.TOPOLOGIES:
+        return f"unknown topology {conf['topology']!r} (known: {', '.join(replicate.TOPOLOGIES)})"
+    for cat in only + conf["replicate"]:
+        if cat not in replicate.CATEGORIES:
+            return f"unknown category {cat!r} (known: {', '.join(replicate.CATEGORIES)})"
+    if not conf["peers"]:
+        return "no peers: set multimaster:peers in the master config or pass peers=..."
+    return None
+
+
+def _peer_errors(peers):
+    """Per-peer input errors: invalid id, or not an accepted minion of the primary."""
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    errors = {}
+    for peer in peers:
+        if not manifest.valid_minion_id(peer):
+            errors[peer] = f"invalid peer id {peer!r}"
+        elif not os.path.isfile(os.path.join(__opts__["pki_dir"], "minions", peer)):
+            errors[peer] = (
+                f"peer {peer!r} is not an accepted minion of this master "
+                "(the peer host's salt-minion must be a minion of the primary)"
+            )
+    return errors
+
+
+def _primary_state(conf, categories):
+    """The primary's manifests, and the contents they describe, on demand."""
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    cache_dir = os.path.join(__opts__["cachedir"], "multimaster")
+    cache = manifest.HashCache(os.path.join(cache_dir, "hashcache.json"))
+    seen, errors, state = [], [], {}
+    for cat in categories:
+        if cat == "minion_keys":
+            man = manifest.keys_manifest(__opts__["pki_dir"], cache, seen=seen, errors=errors)
+            state[cat] = {"manifest": man, "digest": manifest.digest(man)}
+        elif cat in ("file_roots", "pillar_roots"):
+            man = manifest.roots_manifest(
+                __opts__.get(cat), manifest.Ignore.from_opts(__opts__), cache,
+                seen=seen, errors=errors,
+            )
+            state[cat] = {"manifest": man, "digest": manifest.digest(man)}
+        elif cat == "master_keys":
+            pem, pub = _primary_master_key_files(conf["topology"])
+            state[cat] = {
+                "files": {"pem": pem, "pub": pub},
+                "manifest": {"pem": _sha(pem), "pub": _sha(pub)},
+            }
+        elif cat == "master_config":
+            state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
+    cache.save()
+    state["errors"] = errors
+    return state
+
+
+def _sha(path):
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    try:
+        return manifest.sha256_file(path)
+    except OSError:
+        return None
+
+
+def _primary_master_key_files(topology):
+    pki = __opts__["pki_dir"]
+    if topology == "signed":
+        name = __opts__.get("master_sign_key_name", "master_sign")
+        return os.path.join(pki, f"{name}.pem"), os.path.join(pki, f"{name}.pub")
+    return (
+        os.path.realpath(os.path.join(pki, "master.pem")),
+        os.path.realpath(os.path.join(pki, "master.pub")),
+    )
+
+
+def _client():
+    import salt.client  # pylint: disable=import-outside-toplevel
+
+    return salt.client.LocalClient(mopts=__opts__)
+
+
+def _publish(peers, fun, kwarg, timeout):
+    """Call ``fun`` on the peers' minions; return ``{peer: ret}`` for those that returned."""
+    with _client() as client:
+        rets = client.cmd(
+            list(peers), fun, kwarg=kwarg, tgt_type="list", timeout=timeout, full_return=True
+        )
+    return rets or {}
+
+
+def _progress(message, **data):
+    """
+    Fire ``salt/multimaster/sync/progress`` on the master event bus (not the
+    runner's own tag, which ``salt-run`` would print into its output).
+    """
+    import salt.utils.event  # pylint: disable=import-outside-toplevel
+
+    data["message"] = message
+    try:
+        with salt.utils.event.get_master_event(
+            __opts__, __opts__["sock_dir"], listen=False
+        ) as event:
+            event.fire_event(data, "salt/multimaster/sync/progress")
+    except Exception as exc:  # pylint: disable=broad-except
+        log.debug("multimaster: progress event not fired: %s", exc)
+
+
+def _plan(conf, categories, primary, inv, force):
+    """Operations and report for one peer from its inventory."""
+    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+
+    ops, report = {}, {}
+    for cat in categories:
+        mine = primary[cat]["manifest"]
+        theirs = inv.get(cat) or {}
+        if cat == "minion_keys":
+            if theirs.get("digest") == primary[cat]["digest"]:
+                cat_ops, rep = [], replicate.empty_report()
+            else:
+                cat_ops, rep = replicate.plan_keys(mine, theirs.get("manifest") or {}, theirs.get("history"), force)
+        elif cat in ("file_roots", "pillar_roots"):
+            if theirs.get("digest") == primary[cat]["digest"]:
+                cat_ops, rep = [], replicate.empty_report()
+            else:
+                cat_ops, rep = replicate.plan_tree(mine, theirs.get("manifest") or {})
+        elif cat == "master_keys":
+            cat_ops, rep = replicate.plan_master_keys(mine, theirs, conf["topology"])
+        else:
+            cat_ops, rep = replicate.plan_master_config(mine, theirs)
+        rep["errors"].extend(theirs.get("errors") or [])
+        ops[cat], report[cat] = cat_ops, rep
+    return ops, report
+
+
+def _attach_contents(peer, ops, primary, conf):
+    """Fill write operations with contents: minion keys in clear (public),
+    pillar files and private keys sealed to the peer's minion key; file_roots
+    files are fetched by the peer from this master's fileserver."""
+    from salt_multimaster import manifest, seal  # pylint: disable=import-outside-toplevel
+
+    with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
+        peer_pub = fh.read()
+    for cat, cat_ops in ops.items():
+        for op in cat_ops:
+            if op["op"] != "write":
+                continue
+            if cat == "minion_keys":
+                with open(os.path.join(__opts__["pki_dir"], op["state"], op["id"]), encoding="utf-8") as fh:
+                    op["data"] = fh.read()
+            elif cat == "pillar_roots":
+                path = manifest.locate(__opts__["pillar_roots"][op["env"]], op["rel"])
+                with open(path, "rb") as fh:
+                    op["sealed"] = seal.seal(peer_pub, fh.read(), peer, f"{cat}/{op['env']}/{op['rel']}")
+            elif cat == "master_keys":
+                path = primary[cat]["files"][op["kind"]]
+                with open(path, "rb") as fh:
+                    data = fh.read()
+                if op["kind"] == "pem":
+                    op["sealed"] = seal.seal(peer_pub, data, peer, f"master_keys/{op['name']}")
+                else:
+                    op["data"] = data.decode()
+    return ops
+
+
+def _merge(report, applied):
+    """Replace planned lists by what the peer reports it did."""
+    for cat, rep in applied.items():
+        if cat not in report or not isinstance(rep, dict):
+            continue
+        report[cat]["errors"].extend(rep.get("errors", []))
+        done = set(rep.get("updated", [])) | set(rep.get("removed", []))
+        for kind in ("added", "updated", "removed"):
+            report[cat][kind] = [
+                item for item in report[cat][kind]
+                if _applied_name(cat, item) in done
+            ]
+
+
+def _applied_name(cat, item):
+    return item if cat != "master_config" else "multimaster-sync.conf"
+
+
+def _sync_one(peer, conf, categories, primary, inv, test, force):
+    ops, report = _plan(conf, categories, primary, inv, force)
+    ret = {"result": True}
+    ret.update(report)
+    if any(ops.values()) and not test:
+        ops = {c: o for c, o in ops.items() if o}
+        _attach_contents(peer, ops, primary, conf)
+        kwarg = {"ops": ops, "topology": conf["topology"]}
+        if "minion_keys" in categories:
+            kwarg["primary_key_ids"] = sorted(
+                {mid for keys in primary["minion_keys"]["manifest"].values() for mid in keys}
+            )
+        rets = _publish([peer], "multimaster_peer.apply", kwarg, conf["timeout"])
+        applied = rets.get(peer)
+        if not applied or not isinstance(applied.get("ret"), dict) or "backup" not in applied["ret"]:
+            ret["result"] = False
+            ret["error"] = f"apply failed or did not return: {applied.get('ret') if applied else 'no return'}"
+            return ret
+        applied = applied["ret"]
+        _merge(report, applied)
+        for key in ("restart", "backup"):
+            if applied.get(key):
+                ret[key] = applied[key]
+        if applied.get("restart") == "restart_required":
+            ret["restart_required"] = True
+    if any(report[cat]["errors"] for cat in categories):
+        ret["result"] = False
+    return ret
+
+
+def sync(peers=None, only=None, test=False, force=False, **kwargs):
+    """
+    Make each peer master mirror this (primary) master.
+
+    peers
+        Peer minion ids (default: ``multimaster:peers`` from the master config).
+    only
+        Categories to sync, among master_keys, minion_keys, file_roots,
+        pillar_roots, master_config (default: ``multimaster:replicate``).
+    test
+        Change nothing; report exactly what a real run would change.
+    force
+        Replace conflicting minion keys and remove keys found only on a peer.
+
+    Returns, per peer, ``{"result": bool, "<category>": {"added": [...],
+    "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``.
+    A failed or unreachable peer makes ``salt-run`` exit non-zero; the other
+    peers are still synced.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.sync
+        salt-run multimaster.sync peers=master02 only=minion_keys,file_roots test=True
+    """
+    conf = _conf(dict(kwargs, peers=peers))
+    only = _as_list(only)
+    error = _validate(conf, only)
+    if error:
+        return _invalid(error)
+    categories = only or conf["replicate"]
+    test = bool(test) and str(test).lower() not in ("false", "0")
+    force = bool(force) and str(force).lower() not in ("false", "0")
+
+    ret = {}
+    bad = _peer_errors(conf["peers"])
+    for peer, message in bad.items():
+        ret[peer] = {"result": False, "error": message}
+    peers = [p for p in conf["peers"] if p not in bad]
+    if peers:
+        _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
+        primary = _primary_state(conf, categories)
+        digests = {c: primary[c].get("digest") for c in categories if primary[c].get("digest")}
+        _progress(f"multimaster: asking {len(peers)} peer(s) for their inventory")
+        invs = _publish(
+            peers,
+            "multimaster_peer.inventory",
+            {"categories": categories, "digests": digests, "topology": conf["topology"],
+             "config_keys": conf["master_config_keys"], "test": test},
+            conf["timeout"],
+        )
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+
+        def one(peer):
+            inv = invs.get(peer)
+            if not inv or not isinstance(inv.get("ret"), dict) or "master_id" not in inv["ret"]:
+                return {"result": False, "error": "peer did not return its inventory "
+                        f"(unreachable, or multimaster_peer not loaded): {inv.get('ret') if inv else 'no return'}"}
+            try:
+                return _sync_one(peer, conf, categories, primary, inv["ret"], test, force)
+            except Exception as exc:  # pylint: disable=broad-except
+                log.exception("multimaster: sync of %s failed", peer)
+                return {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
+            for peer, res in zip(peers, pool.map(one, peers)):
+                ret[peer] = res
+                if primary["errors"]:
+                    res.setdefault("primary_errors", primary["errors"])
+                _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
+    if not all(r["result"] for r in ret.values()):
+        __context__["retcode"] = 1
+        ret["retcode"] = 1
+    return ret
+
+# ---------------------------------------------------------------------------
 # Fleet audit (salt-run multimaster.audit).  Everything below this line
 # belongs to the audit; sync/status live above it.
 # ---------------------------------------------------------------------------
+
+
+def _audit_default_output():
+    """
+    True when the user did not choose an outputter (no --out, no ``output``
+    in the master config): the audit then prints its compact table.
+    """
+    return not __opts__.get("output")
+
+
+def audit(
+    tgt="*",
+    tgt_type="glob",
+    timeout=None,
+    masters=None,
+    master_finger=None,
+    topology=None,
+    master_version=None,
+):
+    """
+    Fleet report: run ``multimaster.audit`` on the targeted minions through
+    the master this runs on, and list every targeted minion that did not
+    return.  Run it on the primary and on each peer to see which minions are
+    connected to which master.
+
+    The master passes its own Salt version (``master_version``) so every
+    minion checks version_skew.  ``masters``, ``master_finger`` and
+    ``topology`` are passed on to the minions when given (else the minions
+    use their pillar).
+
+    Returns ``{"result", "master", "saltversion", "tgt", "tgt_type",
+    "counts", "minions": {id: {"ok", "findings", "masters", "master_finger",
+    "saltversion"}}, "missing", "failed", "totals": {check: {severity: n}},
+    "retcode"}``.  Without ``--out`` a compact table is printed (one row per
+    minion, then totals per check); ``--out=json`` (or yaml, nested...) gives
+    the data.  salt-run exits non-zero when a minion fails the audit or a
+    targeted minion does not return.
+
+    tgt
+        Target, default ``*``.
+
+    tgt_type
+        Target type (glob, list, compound, nodegroup, ...), default ``glob``.
+
+    timeout
+        Seconds to wait for the minions (default: the master's ``timeout``).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.audit
+        salt-run multimaster.audit tgt='web*' --out=json
+        salt-run multimaster.audit tgt=G@os:Debian tgt_type=compound
+    """
+    # pylint: disable=import-outside-toplevel
+    import salt.client
+    import salt.utils.minions
+    import salt.version
+    import salt_multimaster.fleet
+    from salt.exceptions import SaltInvocationError
+
+    if not tgt or not isinstance(tgt, (str, list)):
+        raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")
+    try:
+        timeout = int(timeout) if timeout is not None else int(__opts__.get("timeout", 5))
+    except (TypeError, ValueError):
+        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+    kwarg = {"master_version": master_version or {__opts__["id"]: salt.version.__version__}}
+    for key, value in (("masters", masters), ("master_finger", master_finger),
+                       ("topology", topology)):
+        if value is not None:
+            kwarg[key] = value
+    expected = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
+    expected = expected.get("minions", []) if isinstance(expected, dict) else []
+    returns = {}
+    if expected:
+        client = salt.client.LocalClient(mopts=__opts__)
+        try:
+            returns = client.cmd(
+                tgt,
+                "multimaster.audit",
+                kwarg=kwarg,
+                tgt_type=tgt_type,
+                timeout=timeout,
+                full_return=True,
+            ) or {}
+        finally:
+            client.destroy()
+    report = salt_multimaster.fleet.build_report(
+        __opts__["id"], salt.version.__version__, tgt, tgt_type, expected, returns
+    )
+    if _audit_default_output():
+        return {"outputter": "txt", "data": salt_multimaster.fleet.render_rows(report)}
+    return report

@@ -66,6 +66,20 @@ def pick_prefix(count):
     raise RuntimeError("no free loopback prefix found for a test cluster")
 
 
+def gen_keypair(bits=2048):
+    """A new RSA keypair as Salt writes it: (private PEM, public PEM) bytes."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
+    priv = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
+    pub = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return priv, pub
+
+
 def master_key_paths(pki_dir):
     """
     The files a running master loads for its keypair: Salt 3008 keeps
@@ -187,16 +201,7 @@ class Cluster:
         pki = pathlib.Path(minion.config["pki_dir"])
         pki.mkdir(parents=True, exist_ok=True)
         if not (pki / "minion.pub").exists():
-            key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-            priv = key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.TraditionalOpenSSL,
-                serialization.NoEncryption(),
-            )
-            pub = key.public_key().public_bytes(
-                serialization.Encoding.PEM,
-                serialization.PublicFormat.SubjectPublicKeyInfo,
-            )
+            priv, pub = gen_keypair()
             (pki / "minion.pem").write_bytes(priv)
             os.chmod(pki / "minion.pem", 0o400)
             (pki / "minion.pub").write_bytes(pub)

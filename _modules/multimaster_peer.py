@@ -1,0 +1,349 @@
+"""
+Peer-side half of ``salt-run multimaster.sync``.
+
+Loads only on a host with a salt-master configuration: the minion running
+next to a peer master.  The master configuration is found at the minion
+option ``multimaster.master_config`` (default: ``$SALT_MASTER_CONFIG`` or
+``/etc/salt/master``); its ``pki_dir``, ``cachedir``, ``file_roots`` and
+``pillar_roots`` are the ones managed.
+
+The primary's runner calls these functions; operators rarely need them
+directly, except ``multimaster_peer.inventory`` to see what a peer holds.
+"""
+
+import datetime
+import hashlib
+import logging
+import os
+
+import salt.config
+import salt.fileclient
+import salt.utils.json
+import salt.utils.yaml
+from salt.exceptions import CommandExecutionError
+
+try:
+    from salt_multimaster import fsutil, manifest, replicate, seal
+
+    HAS_CORE = True
+except ImportError:
+    HAS_CORE = False
+
+log = logging.getLogger(__name__)
+
+__virtualname__ = "multimaster_peer"
+
+
+def _master_config_path():
+    return __opts__.get("multimaster.master_config") or os.environ.get(
+        "SALT_MASTER_CONFIG", "/etc/salt/master"
+    )
+
+
+def __virtual__():
+    if not HAS_CORE:
+        return (False, "multimaster_peer: the salt_multimaster core is missing")
+    if not os.path.isfile(_master_config_path()):
+        return (
+            False,
+            f"multimaster_peer: no salt-master configuration at {_master_config_path()} "
+            "(set the minion option multimaster.master_config)",
+        )
+    return __virtualname__
+
+
+def _master_opts():
+    path = _master_config_path()
+    try:
+        return salt.config.master_config(path)
+    except Exception as exc:  # pylint: disable=broad-except
+        raise CommandExecutionError(f"cannot read the master config {path}: {exc}") from exc
+
+
+def _state_dir():
+    path = os.path.join(__opts__["cachedir"], "multimaster")
+    fsutil.makedirs(path, mode=0o700)
+    return path
+
+
+def _history_path():
+    return os.path.join(_state_dir(), "minion_keys_history.json")
+
+
+def _read_json(path, default):
+    import json  # pylint: disable=import-outside-toplevel
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return default
+
+
+def _master_key_files(mopts, topology):
+    """The files this peer's master loads for the replicated pair."""
+    pki = mopts["pki_dir"]
+    if topology == "signed":
+        name = mopts.get("master_sign_key_name", "master_sign")
+        return os.path.join(pki, f"{name}.pem"), os.path.join(pki, f"{name}.pub")
+    master_id = mopts["id"].removesuffix("_master")
+    ret = []
+    for ext in ("pem", "pub"):
+        link = os.path.join(pki, f"master.{ext}")
+        by_id = os.path.join(pki, f"{master_id}.{ext}")
+        if os.path.islink(link):
+            ret.append(os.path.realpath(link))
+        elif os.path.exists(by_id):
+            ret.append(by_id)  # Salt 3008 loads <id>.pem/.pub
+        else:
+            ret.append(link)  # Salt 3007, or a master that never started
+    return tuple(ret)
+
+
+def _sha_or_none(path):
+    try:
+        return manifest.sha256_file(path)
+    except OSError:
+        return None
+
+
+def _dropin_path(mopts):
+    include = mopts.get("default_include") or "master.d/*.conf"
+    conf_dir = os.path.dirname(mopts["conf_file"])
+    return os.path.join(conf_dir, os.path.dirname(include), "multimaster-sync.conf")
+
+
+def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False):
+    """
+    Report what this peer master holds, for the categories asked.
+
+    For ``minion_keys``, ``file_roots`` and ``pillar_roots`` the full manifest
+    is returned only when its digest differs from the one given in
+    ``digests`` (the primary's): an unchanged peer answers with digests only.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master02 multimaster_peer.inventory categories='[minion_keys]'
+    """
+    categories = categories or list(replicate.CATEGORIES)
+    digests = digests or {}
+    mopts = _master_opts()
+    cache = manifest.HashCache(os.path.join(_state_dir(), "hashcache.json"))
+    ret = {"master_id": mopts["id"], "errors": []}
+    seen = []
+    for cat in categories:
+        errors = []
+        if cat == "master_keys":
+            pem, pub = _master_key_files(mopts, topology)
+            ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub)}
+            continue
+        if cat == "master_config":
+            keys = config_keys or list(replicate.DEFAULT_CONFIG_KEYS)
+            ret[cat] = {k: mopts.get(k) for k in keys}
+            continue
+        if cat == "minion_keys":
+            man = manifest.keys_manifest(mopts["pki_dir"], cache, seen=seen, errors=errors)
+        elif cat in ("file_roots", "pillar_roots"):
+            man = manifest.roots_manifest(
+                mopts.get(cat), manifest.Ignore.from_opts(mopts), cache, seen=seen, errors=errors
+            )
+        else:
+            raise CommandExecutionError(f"unknown category: {cat!r}")
+        dig = manifest.digest(man)
+        entry = {"digest": dig, "errors": errors}
+        if digests.get(cat) != dig:
+            entry["manifest"] = man
+        if cat == "minion_keys":
+            history = _read_json(_history_path(), [])
+            if digests.get(cat) == dig and not test:
+                # in step with the primary: every id here came from it
+                ids = sorted({mid for keys in man.values() for mid in keys})
+                if ids != history:
+                    fsutil.atomic_write(_history_path(), salt.utils.json.dumps(ids), mode=0o600)
+                history = ids
+            entry["history"] = history
+        ret[cat] = entry
+    cache.save()
+    return ret
+
+
+class _Applier:
+    """Apply the operations of one sync to this peer, with backups."""
+
+    def __init__(self, mopts):
+        self.mopts = mopts
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
+        self.backed_up = False
+        self._minion_key = None
+
+    def minion_key(self):
+        if self._minion_key is None:
+            with open(os.path.join(__opts__["pki_dir"], "minion.pem"), "rb") as fh:
+                self._minion_key = fh.read()
+        return self._minion_key
+
+    def open_sealed(self, blob, purpose):
+        return seal.unseal(self.minion_key(), blob, __opts__["id"], purpose)
+
+    def backup(self, path, rel):
+        if fsutil.backup(path, self.backup_root, rel):
+            self.backed_up = True
+
+    def write(self, path, data, mode, rel, sha, hasher=None):
+        hasher = hasher or (lambda d: hashlib.sha256(d).hexdigest())
+        if sha is not None and hasher(data) != sha:
+            raise CommandExecutionError(f"{rel}: content does not match its manifest, not written")
+        self.backup(path, rel)
+        fsutil.makedirs(os.path.dirname(path))
+        fsutil.atomic_write(path, data, mode=mode)
+
+    def remove(self, path, rel):
+        self.backup(path, rel)
+        fsutil.remove(path)
+
+
+def _apply_minion_keys(app, ops, primary_ids):
+    report = replicate.empty_report()
+    pki = app.mopts["pki_dir"]
+    for op in ops:
+        rel = f"{op['state']}/{op['id']}"
+        try:
+            if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_STATES:
+                raise CommandExecutionError(f"{rel}: invalid minion id or key state")
+            path = fsutil.safe_join(pki, rel)
+            if op["op"] == replicate.WRITE:
+                fsutil.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
+                app.write(path, op["data"].encode(), 0o644, f"minion_keys/{rel}", op["sha256"],
+                          hasher=manifest.key_sha)
+            else:
+                app.remove(path, f"minion_keys/{rel}")
+            report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
+        except (CommandExecutionError, OSError, ValueError) as exc:
+            report["errors"].append(f"{rel}: {exc}")
+    if primary_ids is not None:
+        fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(primary_ids)), mode=0o600)
+    return report
+
+
+def _apply_tree(app, cat, ops):
+    report = replicate.empty_report()
+    roots = app.mopts.get(cat) or {}
+    client = None
+    for op in ops:
+        rel = f"{op['env']}:{op['rel']}"
+        try:
+            env_roots = roots.get(op["env"])
+            if not env_roots:
+                raise CommandExecutionError(f"saltenv {op['env']!r} is not configured on the peer")
+            fresh = fsutil.safe_join(env_roots[0], op["rel"])  # validates rel
+            current = manifest.locate(env_roots, op["rel"])
+            if op["op"] == replicate.REMOVE:
+                if current:
+                    app.remove(current, f"{cat}/{op['env']}/{op['rel']}")
+                report["removed"].append(rel)
+                continue
+            target = current or fresh
+            if "sealed" in op:
+                data = app.open_sealed(op["sealed"], f"{cat}/{op['env']}/{op['rel']}")
+            else:
+                if client is None:
+                    client = salt.fileclient.get_file_client(__opts__)
+                cached = client.cache_file(f"salt://{op['rel']}", op["env"])
+                if not cached:
+                    raise CommandExecutionError("not served by the primary's fileserver")
+                with open(cached, "rb") as fh:
+                    data = fh.read()
+            app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"])
+            report["updated"].append(rel)
+        except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
+            report["errors"].append(f"{rel}: {exc}")
+    if client is not None:
+        client.destroy()
+    return report
+
+
+def _apply_master_keys(app, ops, topology):
+    report = replicate.empty_report()
+    pem_path, pub_path = _master_key_files(app.mopts, topology)
+    pki = app.mopts["pki_dir"]
+    fsutil.makedirs(pki, mode=fsutil.KEY_DIR_MODE)
+    os.chmod(pki, fsutil.KEY_DIR_MODE)
+    for op in ops:
+        try:
+            if op["kind"] == "pem":
+                data = app.open_sealed(op["sealed"], f"master_keys/{op['name']}")
+                app.write(pem_path, data, fsutil.PRIVATE_KEY_MODE, f"master_keys/{op['name']}", op["sha256"])
+            else:
+                app.write(pub_path, op["data"].encode(), 0o644, f"master_keys/{op['name']}", op["sha256"])
+            report["updated"].append(op["name"])
+        except (CommandExecutionError, OSError, seal.SealError) as exc:
+            report["errors"].append(f"{op['name']}: {exc}")
+    return report
+
+
+def _apply_master_config(app, ops):
+    report = replicate.empty_report()
+    path = _dropin_path(app.mopts)
+    for op in ops:
+        try:
+            fsutil.makedirs(os.path.dirname(path))
+            data = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
+            data += salt.utils.yaml.safe_dump(op["values"], default_flow_style=False)
+            app.write(path, data.encode(), 0o644, "master_config/multimaster-sync.conf", None)
+            report["updated"].append(os.path.basename(path))
+        except (CommandExecutionError, OSError) as exc:
+            report["errors"].append(f"{path}: {exc}")
+    return report
+
+
+def _restart_master():
+    """
+    Restart the local salt-master in the background through systemd when the
+    host runs it; otherwise say a restart is required.
+    """
+    import salt.utils.systemd  # pylint: disable=import-outside-toplevel
+
+    if salt.utils.systemd.booted(__context__) and __salt__["service.available"]("salt-master"):
+        __salt__["cmd.run_bg"]("sleep 1; systemctl restart salt-master", python_shell=True)
+        return "restarting"
+    return "restart_required"
+
+
+def apply(ops, topology="shared", primary_key_ids=None):
+    """
+    Apply the operations planned by ``salt-run multimaster.sync``.
+
+    Every file replaced or removed is first copied to
+    ``<master cachedir>/multimaster/backup/<timestamp>/``; every write is
+    atomic.  Private keys arrive sealed to this minion's key.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.sync peers=master02
+    """
+    mopts = _master_opts()
+    app = _Applier(mopts)
+    ret = {}
+    for cat, cat_ops in (ops or {}).items():
+        if cat == "minion_keys":
+            ret[cat] = _apply_minion_keys(app, cat_ops, primary_key_ids)
+        elif cat in ("file_roots", "pillar_roots"):
+            ret[cat] = _apply_tree(app, cat, cat_ops)
+        elif cat == "master_keys":
+            ret[cat] = _apply_master_keys(app, cat_ops, topology)
+        elif cat == "master_config":
+            ret[cat] = _apply_master_config(app, cat_ops)
+        else:
+            ret[cat] = replicate.empty_report()
+            ret[cat]["errors"].append(f"unknown category: {cat!r}")
+    changed_daemon_config = any(
+        ret.get(c, {}).get("updated") for c in ("master_keys", "master_config")
+    )
+    ret["restart"] = _restart_master() if changed_daemon_config else None
+    ret["backup"] = app.backup_root if app.backed_up else None
+    return ret

@@ -1,0 +1,134 @@
+"""
+Plan a sync: compare the primary's manifests with a peer's and return the
+operations that make the peer mirror the primary, with the report users see.
+
+Pure functions over manifests; nothing here touches disk or Salt.
+"""
+
+CATEGORIES = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
+DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "peer_run")
+TOPOLOGIES = ("shared", "signed")
+
+# Salt checks rejected, then pending, then accepted: write before remove so a
+# key moving between states is never briefly absent (a new, pending key).
+WRITE, REMOVE = "write", "remove"
+
+
+def empty_report():
+    return {"added": [], "updated": [], "removed": [], "conflicts": [], "errors": []}
+
+
+def plan_keys(primary, peer, history, force=False):
+    """
+    ``primary``/``peer``: ``{state_dir: {minion_id: sha256}}``; ``history``:
+    ids this peer received from the primary before.
+
+    A peer key with the same id and other content is a conflict (left alone
+    unless ``force``); a key only on the peer and never received from the
+    primary is a conflict too (kept unless ``force``); a key the primary
+    deleted or moved is removed from its old state on the peer.
+    """
+    report = empty_report()
+    ops = []
+    history = set(history or ())
+    primary_ids = {}
+    for state, keys in primary.items():
+        for mid, sha in keys.items():
+            primary_ids.setdefault(mid, {})[state] = sha
+    peer_ids = {}
+    for state, keys in peer.items():
+        for mid, sha in keys.items():
+            peer_ids.setdefault(mid, {})[state] = sha
+    blocked = set()
+    for mid in sorted(primary_ids):
+        want = primary_ids[mid]
+        have = peer_ids.get(mid, {})
+        foreign = {s for s, sha in have.items() if sha not in want.values()}
+        if foreign and not force:
+            for state in sorted(foreign):
+                report["conflicts"].append(
+                    f"{state}/{mid}: the peer holds a different key for this id "
+                    "(left alone; force=True replaces it)"
+                )
+            blocked.add(mid)
+            continue
+        for state, sha in sorted(want.items()):
+            if have.get(state) == sha:
+                continue
+            ops.append({"op": WRITE, "state": state, "id": mid, "sha256": sha})
+            report["updated" if state in have else "added"].append(f"{state}/{mid}")
+    for mid in sorted(peer_ids):
+        if mid in blocked:
+            continue
+        want = primary_ids.get(mid, {})
+        for state in sorted(peer_ids[mid]):
+            if state in want:
+                continue
+            if want or mid in history or force:
+                ops.append({"op": REMOVE, "state": state, "id": mid})
+                report["removed"].append(f"{state}/{mid}")
+            else:
+                report["conflicts"].append(
+                    f"{state}/{mid}: only on the peer, never on the primary "
+                    "(kept; force=True removes it)"
+                )
+    ops.sort(key=lambda op: op["op"] != WRITE)
+    return ops, report
+
+
+def plan_tree(primary, peer):
+    """
+    ``primary``/``peer``: ``{saltenv: {rel: [size, mode, sha256]}}``.
+    Files missing or different on the peer are written; files the primary
+    does not serve are removed.  A saltenv the peer does not configure is an
+    error for that saltenv.
+    """
+    report = empty_report()
+    ops = []
+    for env in sorted(primary):
+        if env not in peer:
+            report["errors"].append(
+                f"saltenv {env!r} is not configured on the peer; add it to the peer's roots"
+            )
+            continue
+        mine, theirs = primary[env], peer[env]
+        for rel in sorted(mine):
+            if theirs.get(rel) == mine[rel]:
+                continue
+            size, mode, sha = mine[rel]
+            ops.append({"op": WRITE, "env": env, "rel": rel, "mode": mode, "sha256": sha, "size": size})
+            report["updated" if rel in theirs else "added"].append(f"{env}:{rel}")
+        for rel in sorted(set(theirs) - set(mine)):
+            ops.append({"op": REMOVE, "env": env, "rel": rel})
+            report["removed"].append(f"{env}:{rel}")
+    return ops, report
+
+
+def plan_master_keys(primary, peer, topology):
+    """
+    ``primary``/``peer``: ``{"pem": sha256, "pub": sha256}`` of the pair the
+    topology replicates (master or master_sign).
+    """
+    report = empty_report()
+    ops = []
+    names = {"shared": ("master.pem", "master.pub"), "signed": ("master_sign.pem", "master_sign.pub")}[topology]
+    for kind, name in zip(("pem", "pub"), names):
+        if primary.get(kind) is None:
+            report["errors"].append(f"the primary has no {name}")
+            continue
+        if peer.get(kind) == primary[kind]:
+            continue
+        ops.append({"op": WRITE, "kind": kind, "name": name, "sha256": primary[kind]})
+        report["updated" if peer.get(kind) else "added"].append(name)
+    return ops, report
+
+
+def plan_master_config(primary, peer):
+    """``primary``/``peer``: ``{option: value}`` for the replicated options."""
+    report = empty_report()
+    changed = sorted(k for k in primary if peer.get(k) != primary[k])
+    if not changed:
+        return [], report
+    for key in changed:
+        report["updated" if key in peer and peer[key] not in (None, {}, []) else "added"].append(key)
+    return [{"op": WRITE, "values": primary}], report

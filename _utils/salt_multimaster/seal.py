@@ -1,0 +1,66 @@
+"""
+Seal secrets to one receiver's RSA public key.
+
+A sealed blob is ``RSA-OAEP(SHA-256)`` around a random 256-bit AES-GCM key;
+the receiver's minion id and the purpose are bound as associated data, so a
+blob sealed for one peer or one file cannot be replayed as another.  Only
+the sealed blob travels on Salt's publish channel: every minion receives the
+publish, only the receiving peer can open it.
+"""
+
+import base64
+import json
+import os
+
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+VERSION = 1
+
+
+class SealError(ValueError):
+    """A blob that cannot be opened (wrong key, tampered, wrong purpose)."""
+
+
+def _oaep():
+    return padding.OAEP(
+        mgf=padding.MGF1(algorithm=hashes.SHA256()),
+        algorithm=hashes.SHA256(),
+        label=None,
+    )
+
+
+def _aad(receiver, purpose):
+    return json.dumps([VERSION, receiver, purpose]).encode()
+
+
+def seal(public_pem, data, receiver, purpose):
+    """Return a text blob that only the holder of the private key opens."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    if isinstance(public_pem, str):
+        public_pem = public_pem.encode()
+    pub = serialization.load_pem_public_key(public_pem)
+    key = AESGCM.generate_key(bit_length=256)
+    nonce = os.urandom(12)
+    ct = AESGCM(key).encrypt(nonce, data, _aad(receiver, purpose))
+    wrapped = pub.encrypt(key, _oaep())
+    return "mmseal1:" + ".".join(
+        base64.b64encode(x).decode() for x in (wrapped, nonce, ct)
+    )
+
+
+def unseal(private_pem, blob, receiver, purpose):
+    """Open a blob from :func:`seal`; raise :class:`SealError` on any mismatch."""
+    if not isinstance(blob, str) or not blob.startswith("mmseal1:"):
+        raise SealError("not a sealed blob")
+    if isinstance(private_pem, str):
+        private_pem = private_pem.encode()
+    try:
+        wrapped, nonce, ct = (base64.b64decode(x) for x in blob[8:].split("."))
+        priv = serialization.load_pem_private_key(private_pem, password=None)
+        key = priv.decrypt(wrapped, _oaep())
+        return AESGCM(key).decrypt(nonce, ct, _aad(receiver, purpose))
+    except Exception as exc:  # pylint: disable=broad-except
+        raise SealError(f"cannot open sealed {purpose}: {exc.__class__.__name__}") from None

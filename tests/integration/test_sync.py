@@ -1,0 +1,276 @@
+"""
+``salt-run multimaster.sync`` against real daemons: a primary, two fresh peers
+with their own generated master keys, a minion accepted on the primary only.
+
+The tests of this module run in order and build on each other, like an
+operator's session.
+"""
+
+import os
+import pathlib
+import stat
+
+import pytest
+
+from tests.support.cluster import gen_keypair, master_key_paths
+
+pytestmark = pytest.mark.daemons
+
+CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    cluster = cluster_factory(
+        "syn",
+        peers=2,
+        minions=1,
+        share_master_keys=False,
+        accept_on_peers=False,
+        primary_overrides={
+            "file_ignore_regex": [r"/\.git($|/)"],
+            "file_ignore_glob": ["*.swp"],
+            "nodegroups": {"webs": "L@syn-minion1"},
+            "publisher_acl": {"ops": ["test.*"]},
+        },
+    )
+    peers = [m.id for m in cluster.peer_minions]
+    _set_master_conf(cluster.primary, {"multimaster": {"peers": peers}})
+    cluster.start()
+    for pm in cluster.peer_minions:
+        assert cluster.wait_ping(cluster.primary, pm.id)
+    yield cluster
+    cluster.stop()
+
+
+def _set_master_conf(master, values):
+    import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+    dropin = pathlib.Path(master.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(salt.utils.yaml.safe_dump(values))
+
+
+def _snapshot(master):
+    """Every file under a master's pki_dir and roots, with content and mode."""
+    ret = {}
+    dirs = [master.config["pki_dir"]]
+    for kind in ("file_roots", "pillar_roots"):
+        for roots in master.config[kind].values():
+            dirs.extend(roots)
+    dirs.append(str(pathlib.Path(master.config_file).parent))
+    for top in dirs:
+        for dirpath, _, files in os.walk(top):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                ret[path] = (st.st_mode, os.readlink(path) if os.path.islink(path) else open(path, "rb").read())
+    return ret
+
+
+def _plant(cluster):
+    """Keys in every state, files in every saltenv, ignored files, symlinks."""
+    pki = cluster.pki_dir(cluster.primary)
+    for state, mid in (("minions_pre", "pend1"), ("minions_rejected", "rej1"),
+                       ("minions_denied", "den1"), ("minions", "acc1"), ("minions_pre", "mover")):
+        (pki / state).mkdir(exist_ok=True)
+        (pki / state / mid).write_bytes(gen_keypair(1024)[1])
+    base = cluster.file_root(cluster.primary)
+    (base / "web").mkdir(exist_ok=True)
+    (base / "web" / "init.sls").write_text("web:\n  test.succeed_without_changes\n")
+    (base / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    os.chmod(base / "run.sh", 0o750)
+    (base / ".git").mkdir(exist_ok=True)
+    (base / ".git" / "config").write_text("[core]\n")
+    (base / "web" / ".init.sls.swp").write_text("swap")
+    os.symlink("web/init.sls", base / "link.sls")
+    outside = cluster.pki_dir(cluster.primary).parent / "outside.txt"
+    outside.write_text("secret outside the root")
+    os.symlink(str(outside), base / "escape.txt")
+    prod = cluster.file_root(cluster.primary, "prod")
+    (prod / "prod.sls").write_text("prod: {}\n")
+    pillar = cluster.file_root(cluster.primary, kind="pillar_roots")
+    (pillar / "top.sls").write_text("base:\n  '*':\n    - data\n")
+    (pillar / "data.sls").write_text("secret_value: s3cr3t-pillar\n")
+
+
+def test_test_mode_changes_nothing_and_reports_the_plan(cluster):
+    _plant(cluster)
+    before = [_snapshot(p) for p in cluster.peers]
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "test=True")
+    assert ret.returncode == 0, ret
+    assert [_snapshot(p) for p in cluster.peers] == before
+    for pm in cluster.peer_minions:
+        res = ret.data[pm.id]
+        assert res["result"] is True, res
+        assert set(CATS) <= set(res)
+        assert "master.pem" in res["master_keys"]["updated"]
+        assert "minions_pre/pend1" in res["minion_keys"]["added"]
+        assert "minions/syn-minion1" in res["minion_keys"]["added"], res["minion_keys"]
+        assert "base:web/init.sls" in res["file_roots"]["added"]
+        assert "prod:prod.sls" in res["file_roots"]["added"]
+        assert "base:data.sls" in res["pillar_roots"]["added"]
+        assert "nodegroups" in res["master_config"]["added"] + res["master_config"]["updated"]
+    pytest.test_plan = ret.data
+
+
+def test_sync_replicates_everything(cluster):
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret.stdout
+    plan = pytest.test_plan
+    primary_keys = cluster.keys(cluster.primary)
+    priv, pub = master_key_paths(cluster.primary.config["pki_dir"])
+    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+        res = ret.data[pm.id]
+        assert res["result"] is True, res
+        # test=True reported exactly what the real run did
+        for cat in CATS:
+            for kind in ("added", "updated", "removed"):
+                assert sorted(res[cat][kind]) == sorted(plan[pm.id][cat][kind]), (cat, kind)
+        assert res.get("restart_required") is True
+        assert cluster.keys(peer) == primary_keys
+        ppriv, ppub = master_key_paths(peer.config["pki_dir"])
+        assert ppriv.read_bytes() == priv.read_bytes()
+        assert ppub.read_bytes() == pub.read_bytes()
+        assert stat.S_IMODE(ppriv.stat().st_mode) == 0o400
+        assert stat.S_IMODE(os.stat(peer.config["pki_dir"]).st_mode) == 0o700
+        base = cluster.file_root(peer)
+        assert (base / "web" / "init.sls").read_text().startswith("web:")
+        assert stat.S_IMODE((base / "run.sh").stat().st_mode) == 0o750
+        assert (base / "link.sls").read_text() == (base / "web" / "init.sls").read_text()
+        assert not (base / ".git").exists()
+        assert not (base / "web" / ".init.sls.swp").exists()
+        assert not (base / "escape.txt").exists()
+        assert any("escape.txt" in e for e in res["primary_errors"])
+        assert (cluster.file_root(peer, "prod") / "prod.sls").exists()
+        assert "s3cr3t-pillar" in (cluster.file_root(peer, kind="pillar_roots") / "data.sls").read_text()
+        dropin = pathlib.Path(peer.config_file).parent / "master.d" / "multimaster-sync.conf"
+        assert "webs" in dropin.read_text()
+
+
+def test_peer_serves_minion_after_restart(cluster):
+    minion = cluster.minions[0].id
+    for peer in cluster.peers:
+        cluster.restart(peer)
+    for peer in cluster.peers:
+        assert cluster.master_fingerprint(peer) == cluster.master_fingerprint(cluster.primary)
+        assert cluster.wait_ping(peer, minion, deadline=120), peer.id
+    # nodegroups came with master_config
+    ret = cluster.salt(cluster.peers[0], "test.ping", "-N", minion_tgt="webs")
+    assert ret.returncode == 0 and ret.data == {minion: True}, ret
+
+
+def test_noop_sync_changes_nothing(cluster):
+    before = [_snapshot(p) for p in cluster.peers]
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    for pm in cluster.peer_minions:
+        res = ret.data[pm.id]
+        for cat in CATS:
+            assert res[cat]["added"] == res[cat]["updated"] == res[cat]["removed"] == [], (cat, res)
+        assert "restart" not in res
+    assert [_snapshot(p) for p in cluster.peers] == before
+
+
+def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
+    pki = cluster.pki_dir(cluster.primary)
+    (pki / "minions_rejected" / "rej1").unlink()
+    (pki / "minions_pre" / "mover").rename(pki / "minions" / "mover")
+    (cluster.file_root(cluster.primary) / "run.sh").unlink()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
+    assert ret.returncode == 0, ret
+    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+        res = ret.data[pm.id]
+        assert set(res["minion_keys"]["removed"]) == {"minions_rejected/rej1", "minions_pre/mover"}
+        assert res["minion_keys"]["added"] == ["minions/mover"]
+        assert res["file_roots"]["removed"] == ["base:run.sh"]
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+        backup = pathlib.Path(res["backup"])
+        assert (backup / "minion_keys" / "minions_rejected" / "rej1").exists()
+        assert (backup / "file_roots" / "base" / "run.sh").exists()
+        ret_key = cluster.salt_key(peer, "-L")
+        assert ret_key.data == cluster.salt_key(cluster.primary, "-L").data
+
+
+def test_conflicts_are_reported_and_forced(cluster):
+    peer, pm = cluster.peers[0], cluster.peer_minions[0]
+    ppki = cluster.pki_dir(peer)
+    other = gen_keypair(1024)[1]
+    (ppki / "minions" / "acc1").write_bytes(other)
+    (ppki / "minions" / "peeronly").write_bytes(gen_keypair(1024)[1])
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}", "only=minion_keys")
+    res = ret.data[pm.id]
+    assert any(c.startswith("minions/acc1:") for c in res["minion_keys"]["conflicts"]), res
+    assert any(c.startswith("minions/peeronly:") for c in res["minion_keys"]["conflicts"]), res
+    assert (ppki / "minions" / "acc1").read_bytes() == other
+    assert (ppki / "minions" / "peeronly").exists()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}",
+                           "only=minion_keys", "force=True")
+    res = ret.data[pm.id]
+    assert res["result"] is True and res["minion_keys"]["conflicts"] == [], res
+    assert cluster.keys(peer) == cluster.keys(cluster.primary)
+
+
+def test_bad_input_names_it(cluster):
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,bogus")
+    assert ret.returncode != 0
+    assert "bogus" in ret.data["error"]
+    good = cluster.peer_minions[0].id
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync",
+                           f"peers={good},nosuchpeer,../evil", "only=minion_keys")
+    assert ret.returncode != 0
+    assert "nosuchpeer" in ret.data["nosuchpeer"]["error"]
+    assert "../evil" in ret.data["../evil"]["error"]
+    assert ret.data[good]["result"] is True
+    # a junk file in a key dir on the primary is reported, not replicated
+    pki = cluster.pki_dir(cluster.primary)
+    (pki / "minions" / "junk").write_text("not a key")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={good}", "only=minion_keys")
+    assert any("junk" in e for e in ret.data[good]["primary_errors"])
+    assert not (cluster.pki_dir(cluster.peers[0]) / "minions" / "junk").exists()
+    (pki / "minions" / "junk").unlink()
+
+
+def test_unreachable_peer_fails_alone(cluster):
+    down = cluster.peer_minions[1]
+    up = cluster.peer_minions[0]
+    newkey = cluster.pki_dir(cluster.primary) / "minions" / "late1"
+    newkey.write_bytes(gen_keypair(1024)[1])
+    down.terminate()
+    try:
+        ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys", "timeout=10")
+        assert ret.returncode != 0
+        assert ret.data[down.id]["result"] is False
+        assert "did not return" in ret.data[down.id]["error"]
+        assert ret.data[up.id]["result"] is True
+        assert (cluster.pki_dir(cluster.peers[0]) / "minions" / "late1").exists()
+        assert not (cluster.pki_dir(cluster.peers[1]) / "minions" / "late1").exists()
+    finally:
+        down.start()
+    assert cluster.wait_ping(cluster.primary, down.id)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
+    assert ret.returncode == 0, ret
+    assert (cluster.pki_dir(cluster.peers[1]) / "minions" / "late1").exists()
+
+
+def test_no_private_key_material_outside_pki_dirs(cluster):
+    """Grep every cachedir, log and config of every daemon for the key bytes."""
+    priv, _ = master_key_paths(cluster.primary.config["pki_dir"])
+    lines = [ln for ln in priv.read_text().splitlines() if ln and not ln.startswith("-----")]
+    needles = [ln.encode() for ln in lines[1:-1]]
+    pki_dirs = {os.path.realpath(d.config["pki_dir"]) for d in [*cluster.masters, *cluster.all_minions]}
+    hits = []
+    for daemon in [*cluster.masters, *cluster.all_minions]:
+        root = os.path.realpath(daemon.config["root_dir"])
+        for dirpath, _, files in os.walk(root):
+            if any(dirpath == p or dirpath.startswith(p + os.sep) for p in pki_dirs):
+                continue
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    data = open(path, "rb").read()
+                except OSError:
+                    continue
+                if any(n in data for n in needles):
+                    hits.append(path)
+    assert hits == []
