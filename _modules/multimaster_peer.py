@@ -107,6 +107,14 @@ def _sha_or_none(path):
         return None
 
 
+def _fingerprint(path, opts):
+    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isfile(path):
+        return None
+    return salt.utils.crypt.pem_finger(path, sum_type=opts.get("hash_type", "sha256"))
+
+
 def _dropin_path(mopts):
     include = mopts.get("default_include") or "master.d/*.conf"
     conf_dir = os.path.dirname(mopts["conf_file"])
@@ -137,7 +145,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
         errors = []
         if cat == "master_keys":
             pem, pub = _master_key_files(mopts, topology)
-            ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub)}
+            ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub),
+                        "fingerprint": _fingerprint(pub, mopts)}
             continue
         if cat == "master_config":
             keys = config_keys or list(replicate.DEFAULT_CONFIG_KEYS)
@@ -156,6 +165,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
         if digests.get(cat) != dig:
             entry["manifest"] = man
         if cat == "minion_keys":
+            entry["counts"] = {state: len(keys) for state, keys in man.items()}
             history = _read_json(_history_path(), [])
             if digests.get(cat) == dig and not test:
                 # in step with the primary: every id here came from it

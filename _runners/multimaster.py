@@ -415,6 +415,81 @@ def sync(peers=None, only=None, test=False, force=False, **kwargs):
         ret["retcode"] = 1
     return ret
 
+def status(peers=None, **kwargs):
+    """
+    Report, per peer, how far it is from the primary; change nothing.
+
+    Returns per peer: ``reachable``, the master key fingerprints of the
+    primary and the peer (``master_finger``), minion key counts per state on
+    both sides, and per category the drift a sync would repair
+    (``{"added": n, "updated": n, "removed": n, "conflicts": n}``).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.status
+        salt-run multimaster.status peers=master02
+    """
+    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+
+    conf = _conf(dict(kwargs, peers=peers))
+    error = _validate(conf, [])
+    if error:
+        return _invalid(error)
+    categories = conf["replicate"]
+    ret = {}
+    bad = _peer_errors(conf["peers"])
+    for peer, message in bad.items():
+        ret[peer] = {"reachable": False, "in_sync": False, "error": message}
+    peers = [p for p in conf["peers"] if p not in bad]
+    if not peers:
+        ret["retcode"] = 1
+        return ret
+    all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
+    primary = _primary_state(conf, all_cats)
+    digests = {c: primary[c].get("digest") for c in all_cats if primary[c].get("digest")}
+    invs = _publish(
+        peers,
+        "multimaster_peer.inventory",
+        {"categories": all_cats, "digests": digests, "topology": conf["topology"],
+         "config_keys": conf["master_config_keys"], "test": True},
+        conf["timeout"],
+    )
+    pub = primary["master_keys"]["files"]["pub"]
+    primary_finger = (
+        salt.utils.crypt.pem_finger(pub, sum_type=__opts__.get("hash_type", "sha256"))
+        if os.path.isfile(pub) else None
+    )
+    primary_counts = {s: len(k) for s, k in primary["minion_keys"]["manifest"].items()}
+    for peer in peers:
+        inv = (invs.get(peer) or {}).get("ret")
+        if not isinstance(inv, dict) or "master_id" not in inv:
+            ret[peer] = {"reachable": False, "in_sync": False,
+                         "error": f"peer did not return: {inv!r}"}
+            continue
+        _, report = _plan(conf, all_cats, primary, inv, False)
+        drift = {
+            cat: {k: len(report[cat][k]) for k in ("added", "updated", "removed", "conflicts")}
+            for cat in categories
+        }
+        ret[peer] = {
+            "reachable": True,
+            "master_finger": {"primary": primary_finger,
+                              "peer": inv["master_keys"].get("fingerprint")},
+            "minion_keys": {"primary": primary_counts,
+                            "peer": inv["minion_keys"].get("counts", {})},
+            "drift": drift,
+            "in_sync": not any(sum(d.values()) for d in drift.values()),
+        }
+        errors = [e for cat in categories for e in report[cat]["errors"]]
+        if errors:
+            ret[peer]["errors"] = errors
+    if not all(r.get("reachable") for r in ret.values()):
+        __context__["retcode"] = 1
+        ret["retcode"] = 1
+    return ret
+
 # ---------------------------------------------------------------------------
 # Fleet audit (salt-run multimaster.audit).  Everything below this line
 # belongs to the audit; sync/status live above it.

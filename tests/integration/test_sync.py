@@ -94,8 +94,26 @@ def _plant(cluster):
     (pillar / "data.sls").write_text("secret_value: s3cr3t-pillar\n")
 
 
-def test_test_mode_changes_nothing_and_reports_the_plan(cluster):
+def test_status_reports_drift_and_changes_nothing(cluster):
     _plant(cluster)
+    before = [_snapshot(p) for p in cluster.peers]
+    ret = cluster.salt_run(cluster.primary, "multimaster.status")
+    assert ret.returncode == 0, ret
+    for pm in cluster.peer_minions:
+        res = ret.data[pm.id]
+        assert res["reachable"] is True
+        assert res["in_sync"] is False
+        finger = res["master_finger"]
+        assert finger["primary"] == cluster.master_fingerprint(cluster.primary)
+        assert finger["peer"] != finger["primary"]
+        assert res["minion_keys"]["primary"]["minions_pre"] == 2
+        assert res["minion_keys"]["peer"]["minions"] == 0
+        assert res["drift"]["file_roots"]["added"] == 4
+        assert res["drift"]["master_keys"]["updated"] == 2
+    assert [_snapshot(p) for p in cluster.peers] == before
+
+
+def test_test_mode_changes_nothing_and_reports_the_plan(cluster):
     before = [_snapshot(p) for p in cluster.peers]
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "test=True")
     assert ret.returncode == 0, ret
@@ -161,6 +179,11 @@ def test_peer_serves_minion_after_restart(cluster):
 
 
 def test_noop_sync_changes_nothing(cluster):
+    ret = cluster.salt_run(cluster.primary, "multimaster.status")
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id]["in_sync"] is True, ret.data[pm.id]
+        finger = ret.data[pm.id]["master_finger"]
+        assert finger["peer"] == finger["primary"]
     before = [_snapshot(p) for p in cluster.peers]
     ret = cluster.salt_run(cluster.primary, "multimaster.sync")
     assert ret.returncode == 0, ret
