@@ -282,11 +282,12 @@ def master_key_check(
 
     contents
         The expected PEM public key (``master.pub``, or ``master_sign.pub`` in
-        topology ``signed``).
+        topology ``signed``).  Default pillar ``multimaster:master_pub``.
 
     source
         Where to fetch the expected key instead, e.g.
-        ``salt://keys/master.pub``.
+        ``salt://keys/master.pub``.  Default pillar
+        ``multimaster:master_pub_source``.
 
     master_finger
         The expected fingerprint (``salt-key -F master``); default pillar
@@ -305,6 +306,12 @@ def master_key_check(
     topology = topology or _mm_pillar().get("topology") or "shared"
     if master_finger is None:
         master_finger = _mm_pillar().get("master_finger")
+    if contents is None and not source:
+        # the formula's pillar keys: usable from a plain job, which (unlike
+        # state.apply) needs no new pillar compile, i.e. no sign-in with the
+        # stale key itself
+        contents = _mm_pillar().get("master_pub") or None
+        source = _mm_pillar().get("master_pub_source") or None
     path = master_key_path(name, topology)
     ret = {
         "path": path,
@@ -376,10 +383,17 @@ def master_key_apply(
     Raises SaltInvocationError for invalid input and CommandExecutionError
     when the cached key is wrong but no expected key content was given.
 
+    This is also the remedy for a minion whose cached key is already stale:
+    Salt verifies the signature of every freshly compiled pillar with the
+    cached key, so ``state.apply`` fails on such a minion ("Exception getting
+    pillar") while a plain job like this one still runs on the minion's live
+    session (the key from pillar ``multimaster:master_pub``, or ``source``).
+
     CLI Example:
 
     .. code-block:: bash
 
+        salt '*' multimaster.master_key_apply
         salt '*' multimaster.master_key_apply source=salt://keys/master.pub
     """
     ret = master_key_check(

@@ -1,0 +1,293 @@
+"""
+The ``salt.multimaster`` formula against real daemons, with the repository as
+a ``file_roots`` root.
+
+Cluster ``frm`` (file_roots install path, nothing pip installed): a minion
+whose config lists the peer twice (``peer`` and ``peer:4506``), has no
+master_alive_interval and trusts a stale minion_master.pub.  One
+``state.apply salt.multimaster`` fixes all three; after the restart it answers
+from both masters, the audit is clean, and a second run changes nothing.
+
+Cluster ``frr`` (pip install path): ``salt.multimaster.master`` installs the
+salt/key reactor on the primary; ``salt-key -a`` on the primary alone makes a
+new minion answer through the peer.
+
+The tests of a module run in order and build on each other.
+"""
+
+import json
+import pathlib
+import time
+
+import pytest
+import salt.utils.yaml
+import salt_multimaster.minion_config
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+
+from tests.conftest import REPO
+from tests.support.cluster import master_key_paths
+
+pytestmark = pytest.mark.daemons
+
+
+def _new_pub():
+    key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _state_returns(ret):
+    """The state return dicts of a ``salt ... state.apply`` CLI return."""
+    assert isinstance(ret.data, dict), ret
+    return ret.data
+
+
+def _changes(ret):
+    return {k: v["changes"] for k, v in _state_returns(ret).items() if v["changes"]}
+
+
+def _all_ok(ret):
+    data = _state_returns(ret)
+    return all(v["result"] is True for v in data.values()), data
+
+
+def _rewrite_minion_masters(minion, masters):
+    path = pathlib.Path(minion.config_file)
+    conf = salt.utils.yaml.safe_load(path.read_text())
+    conf["master"] = masters
+    conf.pop("master_alive_interval", None)
+    path.write_text(salt.utils.yaml.safe_dump(conf))
+
+
+# ---------------------------------------------------------------------------
+# cluster frm: the minion formula
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def frm(cluster_factory, clean_environ, mm_root):
+    top_root = mm_root / "frm-top"
+    pillar_root = mm_root / "frm-pillar"
+    top_root.mkdir(exist_ok=True)
+    pillar_root.mkdir(exist_ok=True)
+    cluster = cluster_factory(
+        "frm",
+        peers=1,
+        minions=1,
+        environ=clean_environ,
+        primary_overrides={
+            "file_roots": {"base": [str(REPO), str(top_root)]},
+            "pillar_roots": {"base": [str(pillar_root)]},
+        },
+    )
+    minion = cluster.minions[0]
+    primary_ip = cluster.primary.config["interface"]
+    peer_ip = cluster.peers[0].config["interface"]
+    (top_root / "top.sls").write_text(f"base:\n  '{minion.id}':\n    - salt.multimaster\n")
+    # a duplicate master entry (the peer twice), no master_alive_interval
+    _rewrite_minion_masters(minion, [primary_ip, peer_ip, f"{peer_ip}:4506"])
+    cluster.start()
+    assert cluster.wait_ping(cluster.primary, minion.id)
+    assert cluster.wait_ping(cluster.peers[0], minion.id)
+    _, master_pub = cluster_master_pub(cluster)
+    marker = mm_root / "frm-restart-marker"
+    pillar = {
+        "multimaster": {
+            "masters": [primary_ip, peer_ip],
+            "master_finger": cluster.master_fingerprint(cluster.primary),
+            "master_pub": master_pub,
+            "minion": {"master_alive_interval": 10},
+            # no service manager here: a harmless command proves the
+            # background restart; the test restarts the daemon itself
+            "minion_restart_cmd": f"date +%s.%N > {marker}",
+            "minion_restart_delay": 10,
+        }
+    }
+    (pillar_root / "top.sls").write_text(f"base:\n  '{minion.id}':\n    - multimaster\n")
+    (pillar_root / "multimaster.sls").write_text(json.dumps(pillar))
+    cluster.marker = marker
+    yield cluster
+    cluster.stop()
+
+
+def cluster_master_pub(cluster):
+    _, pub = master_key_paths(cluster.primary.config["pki_dir"])
+    return pub, pub.read_text()
+
+
+def _minion_paths(minion):
+    conf_dir = pathlib.Path(minion.config_file).parent
+    pki = pathlib.Path(minion.config["pki_dir"])
+    return conf_dir / "minion.d" / "multimaster.conf", pki / "minion_master.pub"
+
+
+def test_stale_setup(frm):
+    """
+    The starting point: modules synced and pillar compiled while the cached
+    master key is still right, then a stale minion_master.pub (as after a
+    restore from an old image).  A stale key blocks every new sign-in (pillar
+    refresh, restart): the state must fix it while the minion's session lives.
+    """
+    minion = frm.minions[0]
+    dropin, cached = _minion_paths(minion)
+    ret = frm.salt(frm.primary, "saltutil.sync_all", minion_tgt=minion.id)
+    assert ret.returncode == 0, ret
+    assert "states.multimaster" in ret.data["states"], ret.data
+    ret = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id)
+    assert ret.returncode == 0, ret
+    ret = frm.salt(frm.primary, "pillar.get", "multimaster:minion", "unmask=True",
+                   minion_tgt=minion.id)
+    assert ret.data == {"master_alive_interval": 10}, ret
+    stale = _new_pub()
+    cached.write_bytes(stale)
+    frm.stale_key = stale.decode()
+    assert not dropin.exists()
+    ret = frm.salt(frm.primary, "multimaster.audit", minion_tgt=minion.id)
+    checks = {f["check"] for f in ret.data["findings"] if f["severity"] != "info"}
+    assert {"duplicate_master", "master_alive_interval", "master_pubkey"} <= checks, ret.data
+    assert ret.data["result"] is False
+
+
+def test_stale_key_repaired_by_a_plain_job(frm):
+    """
+    ``state.apply`` cannot run on this minion now: Salt 3008 verifies every
+    freshly compiled pillar with the cached master key.  A plain job runs on
+    the live session: ``multimaster.master_key_apply`` takes the key from
+    pillar ``multimaster:master_pub``.
+    """
+    minion = frm.minions[0]
+    _, cached = _minion_paths(minion)
+    ret = frm.salt(frm.primary, "multimaster.master_key_check", minion_tgt=minion.id)
+    assert ret.data["match"] is False, ret
+    assert ret.data["expected_finger"] == frm.master_fingerprint(frm.primary)
+    ret = frm.salt(frm.primary, "multimaster.master_key_apply", minion_tgt=minion.id)
+    assert ret.returncode == 0, ret
+    assert ret.data["written"] is True, ret.data
+    assert open(ret.data["backup"], encoding="utf-8").read() == frm.stale_key
+    _, master_pub = cluster_master_pub(frm)
+    assert cached.read_text().strip() == master_pub.strip()
+
+
+def test_master_key_state_replaces_stale_signing_key(frm, mm_root):
+    """The master_key state on a real minion: a stale master_sign.pub from salt://."""
+    minion = frm.minions[0]
+    pki = pathlib.Path(minion.config["pki_dir"])
+    stale, good = _new_pub(), _new_pub()
+    (pki / "master_sign.pub").write_bytes(stale)
+    keys = mm_root / "frm-top" / "frm-keys"
+    keys.mkdir(exist_ok=True)
+    (keys / "master_sign.pub").write_bytes(good)
+    finger = salt_multimaster.minion_config.key_finger(good.decode())
+    args = ("multimaster.master_key", "master_sign.pub",
+            "source=salt://frm-keys/master_sign.pub", "topology=signed",
+            f"master_finger={finger}", "restart=False")
+    ret = frm.salt(frm.primary, "state.single", *args, "test=True", minion_tgt=minion.id)
+    (state,) = _state_returns(ret).values()
+    assert state["result"] is None and "master_key" in state["changes"], state
+    assert (pki / "master_sign.pub").read_bytes() == stale
+    ret = frm.salt(frm.primary, "state.single", *args, minion_tgt=minion.id)
+    (state,) = _state_returns(ret).values()
+    assert state["result"] is True and "backup" in state["changes"], state
+    assert (pki / "master_sign.pub").read_bytes() == good
+    ret = frm.salt(frm.primary, "state.single", *args, minion_tgt=minion.id)
+    (state,) = _state_returns(ret).values()
+    assert state["result"] is True and state["changes"] == {}, state
+    (pki / "master_sign.pub").unlink()
+
+
+def test_apply_test_mode_changes_nothing(frm):
+    minion = frm.minions[0]
+    dropin, _ = _minion_paths(minion)
+    ret = frm.salt(frm.primary, "state.apply", "salt.multimaster", "test=True",
+                   minion_tgt=minion.id, timeout=180)
+    data = _state_returns(ret)
+    key = data["multimaster_|-multimaster-minion-multimaster-master_key_|-minion_master.pub_|-master_key"]
+    conf = data[
+        "multimaster_|-multimaster-minion-multimaster-minion_config_|-multimaster.conf_|-minion_config"
+    ]
+    assert key["result"] is True and key["changes"] == {}, data
+    assert conf["result"] is None, data
+    assert conf["changes"]["master"] == {
+        "old": None,
+        "new": [frm.primary.config["interface"], frm.peers[0].config["interface"]],
+    }
+    assert conf["changes"]["master_alive_interval"] == {"old": None, "new": 10}
+    assert not dropin.exists()
+    assert not frm.marker.exists()
+
+
+def test_apply_converges_and_restarts_in_background(frm):
+    minion = frm.minions[0]
+    dropin, _ = _minion_paths(minion)
+    ret = frm.salt(frm.primary, "state.apply", "salt.multimaster",
+                   minion_tgt=minion.id, timeout=180)
+    returned = time.time()
+    ok, data = _all_ok(ret)
+    assert ok, data
+    changes = _changes(ret)
+    assert list(changes) == [
+        "multimaster_|-multimaster-minion-multimaster-minion_config_|-multimaster.conf_|-minion_config"
+    ], changes
+    assert "restart" in list(changes.values())[0], changes
+    # the restart command waits for the job process to exit, then 10 s
+    assert not frm.marker.exists()
+    conf = salt.utils.yaml.safe_load(dropin.read_text())
+    assert conf == {
+        "master": [frm.primary.config["interface"], frm.peers[0].config["interface"]],
+        "master_alive_interval": 10,
+    }
+    for _ in range(120):
+        if frm.marker.exists() and frm.marker.read_text().strip():
+            break
+        time.sleep(1)
+    assert float(frm.marker.read_text()) >= returned - 1
+
+
+def test_after_restart_answers_from_both_masters_and_audit_clean(frm):
+    minion = frm.minions[0]
+    frm.restart(minion)
+    assert frm.wait_ping(frm.primary, minion.id)
+    assert frm.wait_ping(frm.peers[0], minion.id)
+    # one return per job from the formerly duplicated peer
+    ret = frm.salt(frm.peers[0], "test.ping", minion_tgt=minion.id)
+    assert ret.stdout.count(minion.id) == 1, ret.stdout
+    ret = frm.salt(frm.primary, "multimaster.audit", minion_tgt=minion.id)
+    assert ret.returncode == 0, ret
+    assert ret.data["result"] is True, ret.data
+    assert [f for f in ret.data["findings"] if f["severity"] != "info"] == [], ret.data
+
+
+def test_second_apply_and_highstate_change_nothing(frm):
+    minion = frm.minions[0]
+    frm.marker.unlink()
+    ret = frm.salt(frm.primary, "state.apply", "salt.multimaster",
+                   minion_tgt=minion.id, timeout=180)
+    ok, data = _all_ok(ret)
+    assert ok and _changes(ret) == {}, data
+    # a highstate with a top.sls including the formula (modules auto-synced)
+    ret = frm.salt(frm.primary, "state.highstate", minion_tgt=minion.id, timeout=180)
+    ok, data = _all_ok(ret)
+    assert ok and _changes(ret) == {}, data
+    assert any("salt.multimaster" in v["__sls__"] for v in data.values()), data
+    time.sleep(2)
+    assert not frm.marker.exists()
+
+
+def test_invalid_pillar_fails_and_writes_nothing(frm):
+    minion = frm.minions[0]
+    dropin, _ = _minion_paths(minion)
+    before = dropin.read_text()
+    bad = json.dumps({"multimaster": {"masters": "just-one-string",
+                                      "minion": {"master_alive_interval": -3}}})
+    ret = frm.salt(frm.primary, "state.apply", "salt.multimaster", f"pillar={bad}",
+                   minion_tgt=minion.id, timeout=180)
+    data = _state_returns(ret)
+    conf = data[
+        "multimaster_|-multimaster-minion-multimaster-minion_config_|-multimaster.conf_|-minion_config"
+    ]
+    assert conf["result"] is False
+    assert "masters must be a list" in conf["comment"]
+    assert "master_alive_interval: -3" in conf["comment"]
+    assert dropin.read_text() == before
+    assert ret.returncode != 0
