@@ -1,0 +1,117 @@
+"""Unit tests of the replication core: plans, manifests, sealing, safe writes."""
+
+import os
+import stat
+
+import pytest
+
+from salt_multimaster import fsutil, manifest, replicate, seal
+from tests.support.cluster import gen_keypair
+
+A, B, C = "a" * 64, "b" * 64, "c" * 64
+
+
+def test_plan_keys_adds_moves_and_removes():
+    primary = {"minions": {"web1": A, "mover": B}, "minions_pre": {"new": C}}
+    peer = {"minions": {"web1": A, "gone": C}, "minions_pre": {"mover": B}}
+    ops, report = replicate.plan_keys(primary, peer, history=["gone", "mover", "web1"])
+    assert report == {
+        "added": ["minions/mover", "minions_pre/new"],
+        "updated": [],
+        "removed": ["minions/gone", "minions_pre/mover"],
+        "conflicts": [],
+        "errors": [],
+    }
+    # writes come before removes: a moving key is never briefly absent
+    assert [op["op"] for op in ops] == ["write", "write", "remove", "remove"]
+
+
+def test_plan_keys_conflicts_unless_forced():
+    primary = {"minions": {"web1": A}}
+    peer = {"minions": {"web1": B, "local": C}}
+    ops, report = replicate.plan_keys(primary, peer, history=[])
+    assert ops == []
+    assert [c.split(":")[0] for c in report["conflicts"]] == ["minions/web1", "minions/local"]
+    ops, report = replicate.plan_keys(primary, peer, history=[], force=True)
+    assert report["conflicts"] == []
+    assert report["updated"] == ["minions/web1"]
+    assert report["removed"] == ["minions/local"]
+
+
+def test_plan_tree_and_missing_saltenv():
+    primary = {"base": {"a.sls": [1, 0o644, A], "b.sls": [1, 0o644, B]}, "prod": {"p": [1, 0o644, A]}}
+    peer = {"base": {"a.sls": [1, 0o644, A], "b.sls": [1, 0o755, B], "old": [1, 0o644, C]}}
+    ops, report = replicate.plan_tree(primary, peer)
+    assert report["updated"] == ["base:b.sls"]
+    assert report["removed"] == ["base:old"]
+    assert "'prod' is not configured on the peer" in report["errors"][0]
+    assert {(o["op"], o["rel"]) for o in ops} == {("write", "b.sls"), ("remove", "old")}
+
+
+def test_plan_master_config_only_when_different():
+    assert replicate.plan_master_config({"peer": {}}, {"peer": {}}) == ([], replicate.empty_report())
+    ops, report = replicate.plan_master_config({"nodegroups": {"g": "L@a"}}, {"nodegroups": {}})
+    assert ops == [{"op": "write", "values": {"nodegroups": {"g": "L@a"}}}]
+    assert report["added"] == ["nodegroups"]
+
+
+def test_tree_manifest_ignores_and_confines_symlinks(tmp_path):
+    root = tmp_path / "root"
+    (root / ".git").mkdir(parents=True)
+    (root / ".git" / "config").write_text("x")
+    (root / "a.sls").write_text("a")
+    (root / "a.sls.swp").write_text("s")
+    (root / "link.sls").symlink_to("a.sls")
+    (tmp_path / "outside").write_text("secret")
+    (root / "escape").symlink_to(tmp_path / "outside")
+    cache = manifest.HashCache(str(tmp_path / "cache.json"))
+    errors = []
+    man = manifest.tree_manifest([str(root)], manifest.Ignore([r"/\.git($|/)"], ["*.swp"]), cache, errors=errors)
+    assert sorted(man) == ["a.sls", "link.sls"]
+    assert man["a.sls"][2] == man["link.sls"][2]
+    assert any("escape" in e for e in errors)
+    assert cache.hashed == 1  # the symlink shares its target's hash entry
+    cache.save()
+    again = manifest.HashCache(str(tmp_path / "cache.json"))
+    assert manifest.tree_manifest([str(root)], manifest.Ignore([r"/\.git($|/)"], ["*.swp"]), again) == man
+    assert again.hashed == 0  # unchanged files are statted, never re-hashed
+
+
+def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
+    pki = tmp_path / "pki"
+    (pki / "minions").mkdir(parents=True)
+    pub = gen_keypair(1024)[1]
+    (pki / "minions" / "good").write_bytes(pub)
+    (pki / "minions" / "junk").write_text("not a key")
+    errors = []
+    man = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=errors)
+    assert list(man["minions"]) == ["good"]
+    assert man["minions"]["good"] == manifest.key_sha(pub + b"\n\n")
+    assert any("junk" in e and "PEM" in e for e in errors)
+
+
+def test_seal_roundtrip_and_binding():
+    priv, pub = gen_keypair(2048)
+    blob = seal.seal(pub, b"master.pem bytes", "peer1", "master_keys/master.pem")
+    assert b"master.pem bytes" not in blob.encode()
+    assert seal.unseal(priv, blob, "peer1", "master_keys/master.pem") == b"master.pem bytes"
+    with pytest.raises(seal.SealError):
+        seal.unseal(priv, blob, "peer2", "master_keys/master.pem")
+    with pytest.raises(seal.SealError):
+        seal.unseal(gen_keypair(2048)[0], blob, "peer1", "master_keys/master.pem")
+
+
+def test_atomic_write_modes_and_safe_join(tmp_path):
+    path = tmp_path / "k.pem"
+    path.symlink_to(tmp_path / "elsewhere")
+    fsutil.atomic_write(str(path), b"data", mode=0o400)
+    assert not path.is_symlink() and path.read_bytes() == b"data"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o400
+    assert not (tmp_path / "elsewhere").exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".mm-")] == []
+    for bad in ("../x", "/etc/passwd", "a/../../x", ""):
+        with pytest.raises(fsutil.PathError):
+            fsutil.safe_join(str(tmp_path), bad)
+    (tmp_path / "out").symlink_to("/tmp")
+    with pytest.raises(fsutil.PathError):
+        fsutil.safe_join(str(tmp_path), "out/x")
