@@ -42,6 +42,10 @@ def test_pip_path_loads_runner_and_module(cluster, pip_site):
     ret = cluster.salt(cluster.primary, "multimaster.version", minion_tgt=minion)
     assert ret.returncode == 0, ret
     assert ret.data["module"].startswith(str(pip_site))
+    ret = cluster.salt(cluster.primary, "sys.list_state_modules", "multimaster",
+                       minion_tgt=minion)
+    assert ret.returncode == 0, ret
+    assert ret.data == ["multimaster"], ret
 
 
 def test_sys_doc_shows_docstrings(cluster):
