@@ -291,3 +291,129 @@ def test_invalid_pillar_fails_and_writes_nothing(frm):
     assert "master_alive_interval: -3" in conf["comment"]
     assert dropin.read_text() == before
     assert ret.returncode != 0
+
+
+# ---------------------------------------------------------------------------
+# cluster frr: salt.multimaster.master, the salt/key reactor (pip install path)
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def frr(cluster_factory):
+    cluster = cluster_factory(
+        "frr",
+        peers=1,
+        minions=1,
+        accept_on_peers=False,
+        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+    )
+    # the contract's primary configuration: who the peers are
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    cluster.start()
+    for minion in cluster.all_minions:
+        assert cluster.wait_ping(cluster.primary, minion.id)
+    # the primary's own keys reach the peer once (the minion used below)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
+    assert ret.returncode == 0, ret
+    yield cluster
+    cluster.stop()
+
+
+def _new_minion(cluster, minion_id):
+    """A minion of both masters whose key no master has accepted yet."""
+    minion = cluster._minion(minion_id, cluster.masters, {})  # pylint: disable=protected-access
+    # the factory waits for a start event, which needs an accepted key
+    minion.get_check_events = lambda: []
+    minion.start()
+    return minion
+
+
+def _wait(predicate, deadline=120, step=0.5):
+    end = time.time() + deadline
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False
+
+
+def _master_sls_pillar(cluster):
+    return json.dumps({"multimaster": {"master": {
+        "config": str(cluster.primary.config_file),
+        # no service manager here: the test restarts the primary itself
+        "restart_cmd": "true",
+        "restart_delay": 0,
+    }}})
+
+
+def test_master_sls_installs_reactor(frr):
+    minion = frr.minions[0]
+    pillar = _master_sls_pillar(frr)
+    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master", "test=True",
+                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    data = _state_returns(ret)
+    assert all(v["result"] is None for v in data.values()), data
+    dropin = pathlib.Path(frr.primary.config_file).parent / "master.d" / "multimaster-reactor.conf"
+    assert not dropin.exists()
+    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    ok, data = _all_ok(ret)
+    assert ok, data
+    assert set(_changes(ret)) == {
+        "file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin),
+        "cmd_|-multimaster-master-cmd-run_|-sleep 0; true_|-run",
+    }, data
+    assert salt.utils.yaml.safe_load(dropin.read_text()) == {
+        "reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}]
+    }
+    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    ok, data = _all_ok(ret)
+    assert ok and _changes(ret) == {}, data
+    # load the reactor (the formula's restart command is a no-op here)
+    frr.restart(frr.primary)
+    for m in frr.all_minions:
+        assert frr.wait_ping(frr.primary, m.id)
+
+
+def test_accept_on_primary_alone_reaches_the_peer(frr):
+    new = _new_minion(frr, "frr-new1")
+    try:
+        assert _wait(lambda: "frr-new1" in frr.keys(frr.primary)["minions_pre"])
+        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions_pre"])
+        ret = frr.salt_key(frr.primary, "-a", "frr-new1", "-y")
+        assert ret.returncode == 0, ret
+        # no manual step: the reactor replicates the key, the minion authenticates
+        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"])
+        assert "frr-new1" not in frr.keys(frr.peers[0])["minions_pre"]
+        assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120)
+        # deleting it on the primary reaches the peer too
+        ret = frr.salt_key(frr.primary, "-d", "frr-new1", "-y")
+        assert ret.returncode == 0, ret
+        assert _wait(lambda: "frr-new1" not in frr.keys(frr.peers[0])["minions"])
+    finally:
+        new.terminate()
+
+
+def test_key_burst_is_coalesced(frr):
+    ids = [f"frr-burst{i}" for i in range(3)]
+    minions = [_new_minion(frr, mid) for mid in ids]
+    log = frr.log_files(frr.primary)[0]
+    try:
+        for mid in ids:
+            assert _wait(lambda mid=mid: mid in frr.keys(frr.primary)["minions_pre"])
+        before = log.read_text(errors="replace").count("syncing minion keys")
+        ret = frr.salt_key(frr.primary, "-A", "-y")
+        assert ret.returncode == 0, ret
+        for mid in ids:
+            assert _wait(lambda mid=mid: mid in frr.keys(frr.peers[0])["minions"]), mid
+        for mid in ids:
+            assert frr.wait_ping(frr.peers[0], mid, deadline=120), mid
+        # a few seconds for any queued round to finish, then count the syncs
+        time.sleep(5)
+        syncs = log.read_text(errors="replace").count("syncing minion keys") - before
+        assert 1 <= syncs < len(ids), syncs
+    finally:
+        for m in minions:
+            m.terminate()
