@@ -232,8 +232,11 @@ class Cluster:
         shutil.copyfile(pub, dst_pki / "master.pub")
 
     # ----- lifecycle ----------------------------------------------------
-    def start(self):
-        """Start primary, peers (sharing keys if asked), then all minions."""
+    def start(self, before_minions=None):
+        """
+        Start primary, peers (sharing keys if asked), then all minions;
+        ``before_minions(cluster)`` runs once the masters are up.
+        """
         for minion in self.peer_minions:
             self.seed_key(self.primary, minion)
         for minion in self.minions:
@@ -246,6 +249,8 @@ class Cluster:
             if self.share_master_keys:
                 self.copy_master_keys(self.primary, peer)
             peer.start()
+        if before_minions is not None:
+            before_minions(self)
         for minion in self.all_minions:
             minion.start()
         return self
