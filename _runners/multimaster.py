@@ -234,6 +234,23 @@ def _progress(message, **data):
         log.debug("multimaster: progress event not fired: %s", exc)
 
 
+def _inventories(conf, categories, peers, test):
+    """
+    The primary's state and every peer's inventory, in one publish carrying
+    only the primary's digests: a peer in step answers with digests only.
+    """
+    primary = _primary_state(conf, categories)
+    digests = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
+    invs = _publish(
+        peers,
+        "multimaster_peer.inventory",
+        {"categories": categories, "digests": digests, "topology": conf["topology"],
+         "config_keys": conf["master_config_keys"], "test": test},
+        conf["timeout"],
+    )
+    return primary, invs
+
+
 def _plan(conf, categories, primary, inv, force):
     """Operations and report for one peer from its inventory."""
     from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
@@ -261,7 +278,7 @@ def _plan(conf, categories, primary, inv, force):
     return ops, report
 
 
-def _attach_contents(peer, ops, primary, conf):
+def _attach_contents(peer, ops, primary):
     """Fill write operations with contents: minion keys in clear (public),
     pillar files and private keys sealed to the peer's minion key; file_roots
     files are fetched by the peer from this master's fileserver."""
@@ -315,7 +332,7 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     ret.update(report)
     if any(ops.values()) and not test:
         ops = {c: o for c, o in ops.items() if o}
-        _attach_contents(peer, ops, primary, conf)
+        _attach_contents(peer, ops, primary)
         kwarg = {"ops": ops, "topology": conf["topology"]}
         if "minion_keys" in categories:
             kwarg["primary_key_ids"] = sorted(
@@ -381,16 +398,7 @@ def sync(peers=None, only=None, test=False, force=False, **kwargs):
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
         _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
-        primary = _primary_state(conf, categories)
-        digests = {c: primary[c].get("digest") for c in categories if primary[c].get("digest")}
-        _progress(f"multimaster: asking {len(peers)} peer(s) for their inventory")
-        invs = _publish(
-            peers,
-            "multimaster_peer.inventory",
-            {"categories": categories, "digests": digests, "topology": conf["topology"],
-             "config_keys": conf["master_config_keys"], "test": test},
-            conf["timeout"],
-        )
+        primary, invs = _inventories(conf, categories, peers, test)
         import concurrent.futures  # pylint: disable=import-outside-toplevel
 
         def one(peer):
@@ -447,15 +455,7 @@ def status(peers=None, **kwargs):
         ret["retcode"] = 1
         return ret
     all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
-    primary = _primary_state(conf, all_cats)
-    digests = {c: primary[c].get("digest") for c in all_cats if primary[c].get("digest")}
-    invs = _publish(
-        peers,
-        "multimaster_peer.inventory",
-        {"categories": all_cats, "digests": digests, "topology": conf["topology"],
-         "config_keys": conf["master_config_keys"], "test": True},
-        conf["timeout"],
-    )
+    primary, invs = _inventories(conf, all_cats, peers, test=True)
     pub = primary["master_keys"]["files"]["pub"]
     primary_finger = (
         salt.utils.crypt.pem_finger(pub, sum_type=__opts__.get("hash_type", "sha256"))
