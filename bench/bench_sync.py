@@ -1,0 +1,755 @@
+#!/usr/bin/env python3
+"""
+Benchmark ``salt-run multimaster.sync`` against ``rsync -a --delete`` over ssh.
+
+Standalone, real daemons::
+
+    .venv/bin/python bench/bench_sync.py [--keys N] [--files N] [--size-mb N] [--peers N]
+
+What it builds (everything under one short /tmp/mmb-* root, removed at the end):
+
+* a real cluster from ``tests/support/cluster.py`` (salt-factories outside
+  pytest): a primary master on 127.x.y.2, up to 3 peer masters on .3/.4/.5
+  and one salt-minion per peer (a minion of the primary whose
+  ``multimaster.master_config`` points at its peer's master config); the
+  extension is ``pip install --target``-ed and put on PYTHONPATH, the way the
+  test-suite does it; the primary's ``master.d/multimaster.conf`` lists the
+  peers;
+* N generated minion public keys in the primary's pki_dir/minions (about 50
+  distinct 2048-bit keys reused under different ids) and M files (~S MB,
+  several directories) in the primary's file_roots base;
+* an sshd on 127.0.0.1 (free port, generated host and client keys) for
+  ``rsync -a --delete`` of the same data (pki minions dir + file_roots base)
+  into per-peer target dirs.
+
+What it measures, every figure a whole command as a user runs it (wall clock,
+median of --repeat runs where the operation can be repeated):
+
+* Salt's floor: bare ``salt-run test.arg`` on the primary with the same keys;
+* ``salt-run multimaster.sync``: initial to one peer; no-op to one peer; no-op
+  to all peers vs rsync to the same peers one after another; one new key + one
+  changed file vs rsync of the same change;
+* where the time goes: ``salt <peer> test.ping`` and
+  ``salt <peer> multimaster_peer.inventory`` (full manifests, then digests
+  only), the manifests computed in-process, and cProfile of a no-op sync and
+  of ``salt-run test.arg``;
+* what a user can set to lower the floor (``job_cache: False``,
+  ``minion_data_cache: False``, ...), each measured on ``salt-run test.arg``.
+
+Ratios are printed against the goals of issue 3; nothing asserts on timing.
+Results go to bench/results/ (gitignored).
+"""
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import logging
+import os
+import pathlib
+import pstats
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BIN = pathlib.Path(sys.executable).parent
+RESULTS = REPO / "bench" / "results"
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("bench_sync")
+
+GOALS = {
+    # name: (max ratio of (sync - floor) / rsync, description)
+    "initial": (1.0, "initial sync, 1 peer"),
+    "noop1": (0.5, "no-op sync, 1 peer"),
+    "noopN": (0.3, "no-op sync, {n} peers (rsync: {n} one after another)"),
+    "change": (0.5, "1 new key + 1 changed file, 1 peer"),
+}
+
+INITIAL_TIMEOUT = "timeout=3600"
+
+# Settings a user can put in the master config to lower what every salt-run
+# pays; each measured on a bare ``salt-run test.arg``.
+FLOOR_TUNINGS = [
+    ("job_cache: False", {"job_cache": False}),
+    ("minion_data_cache: False", {"minion_data_cache": False}),
+    ("job_cache: False + minion_data_cache: False",
+     {"job_cache": False, "minion_data_cache": False}),
+]
+FLOOR_NOTES = [
+    "key_cache: sched does not help in Salt 3008.3: the Maintenance process writes "
+    "pki_dir/minions/.key_cache (zeromq) while salt.key.Key.list_keys reads "
+    "pki_dir/accepted/.key_cache, so every key listing still scans pki_dir/minions.",
+]
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------
+def say(msg):
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def timed(cmd, env=None, check=True, cwd=None):
+    """Run a whole command; return (seconds, CompletedProcess)."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, check=False)
+    secs = time.perf_counter() - start
+    if check and proc.returncode != 0:
+        raise RuntimeError(
+            f"command failed ({proc.returncode}) after {secs:.1f}s: {' '.join(map(str, cmd))}\n"
+            f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-3000:]}"
+        )
+    return secs, proc
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(value, unit="s"):
+    if value is None or value != value:  # NaN
+        return "-"
+    return f"{value:.2f}{unit}"
+
+
+def du_bytes(path):
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+# ---------------------------------------------------------------------------
+# tools: rsync + sshd
+# ---------------------------------------------------------------------------
+def ensure_tools():
+    missing = [p for p, b in (("rsync", "rsync"), ("openssh-server", "/usr/sbin/sshd"),
+                              ("openssh-client", "ssh"))
+               if not shutil.which(b)]
+    if not missing:
+        return
+    say(f"installing {' '.join(missing)} (apt-get)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    if subprocess.run(cmd, env=env, capture_output=True, check=False).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=False)
+        subprocess.run(cmd, env=env, capture_output=True, check=True)
+
+
+class Sshd:
+    """A private sshd on 127.0.0.1:<free port>, root login by a generated key."""
+
+    def __init__(self, root):
+        self.dir = root / "ssh"
+        self.dir.mkdir(mode=0o700)
+        self.port = free_port()
+        self.proc = None
+        self.client_key = self.dir / "client_ed25519"
+
+    def start(self):
+        for key in ("host_ed25519", "client_ed25519"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
+                            str(self.dir / key)], check=True)
+        auth = self.dir / "authorized_keys"
+        shutil.copyfile(self.dir / "client_ed25519.pub", auth)
+        os.chmod(auth, 0o600)
+        conf = self.dir / "sshd_config"
+        conf.write_text(
+            f"Port {self.port}\nListenAddress 127.0.0.1\n"
+            f"HostKey {self.dir / 'host_ed25519'}\n"
+            f"AuthorizedKeysFile {auth}\n"
+            f"PidFile {self.dir / 'sshd.pid'}\n"
+            "PermitRootLogin prohibit-password\nPubkeyAuthentication yes\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "UsePAM no\nStrictModes no\nPrintMotd no\nUseDNS no\n"
+            "Subsystem sftp internal-sftp\n"
+        )
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
+        self.proc = subprocess.Popen(
+            ["/usr/sbin/sshd", "-D", "-e", "-f", str(conf)],
+            stdout=open(self.dir / "sshd.log", "wb"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        end = time.time() + 20
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {(self.dir / 'sshd.log').read_text()}")
+            ret = subprocess.run(self.ssh_cmd() + ["root@127.0.0.1", "true"],
+                                 capture_output=True, check=False)
+            if ret.returncode == 0:
+                return self
+            time.sleep(0.3)
+        raise RuntimeError(f"sshd did not answer: {(self.dir / 'sshd.log').read_text()}")
+
+    def ssh_cmd(self):
+        return ["ssh", "-p", str(self.port), "-i", str(self.client_key),
+                "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+                "-o", "BatchMode=yes", "-o", "LogLevel=ERROR"]
+
+    def rsync_cmd(self, sources, dest):
+        return ["rsync", "-a", "--delete", "-e", " ".join(self.ssh_cmd()),
+                *[str(s) for s in sources], f"root@127.0.0.1:{dest}/"]
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+def gen_public_keys(count=50):
+    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
+
+    return [gen_keypair(2048)[1] for _ in range(count)]
+
+
+def write_keys(pki_dir, pubs, count, prefix="bench-minion"):
+    dest = pathlib.Path(pki_dir) / "minions"
+    dest.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (dest / f"{prefix}-{i:06d}").write_bytes(pubs[i % len(pubs)])
+
+
+def write_files(base, count, size_mb, seed=1):
+    """``count`` files, ~``size_mb`` MB in all, in 20 top dirs x 10 subdirs."""
+    rng = random.Random(seed)
+    weights = [rng.lognormvariate(0, 1.3) for _ in range(count)]
+    scale = size_mb * 1_000_000 / sum(weights)
+    blob = os.urandom(8 << 20)
+    base = pathlib.Path(base)
+    paths = []
+    for i, weight in enumerate(weights):
+        size = max(16, min(int(weight * scale), len(blob) - 1))
+        rel = f"formula{i % 20:02d}/sub{(i // 20) % 10}/file{i:05d}.sls"
+        path = base / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        off = rng.randrange(0, len(blob) - size)
+        path.write_bytes(blob[off:off + size])
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------
+# the cluster
+# ---------------------------------------------------------------------------
+def install_extension(root):
+    """``pip install --no-deps --target`` of a copy of the repo (keeps the repo clean)."""
+    src = root / "src"
+    shutil.copytree(
+        REPO, src,
+        ignore=shutil.ignore_patterns(".venv", ".git", "bench", "tests", "__pycache__",
+                                      ".mm-sandbox*", "build", "dist", "*.egg-info",
+                                      ".pytest_cache"),
+    )
+    site = root / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(site), str(src)],
+        check=True,
+    )
+    return site
+
+
+def quiet_salt_logging():
+    try:
+        import salt._logging.impl  # pylint: disable=import-outside-toplevel
+
+        salt._logging.impl.shutdown_temp_handler()
+    except Exception:  # pylint: disable=broad-except
+        pass
+    logging.getLogger().addHandler(logging.NullHandler())
+
+
+def build_cluster(root, stack, peers):
+    # pylint: disable=import-outside-toplevel
+    from saltfactories.manager import FactoriesManager
+    from saltfactories.plugins.event_listener import EventListener
+
+    from tests.support.cluster import Cluster
+
+    listener = EventListener()
+    listener.start()
+    stack.callback(listener.stop)
+    factories = FactoriesManager(
+        root_dir=root / "f",
+        log_server_host=None,
+        log_server_port=None,
+        log_server_level=None,
+        event_listener=listener,
+        start_timeout=120,
+        slow_stop=False,
+    )
+    # a user's default log level (no debug logging cost); no pytest log server here
+    quiet = {"log_level_logfile": "warning"}
+    cluster = Cluster(
+        factories, "bench", peers=peers, minions=0, share_master_keys=True,
+        accept_on_peers=False,
+        master_overrides=dict(quiet, **{"pytest-master": {"log": {"disabled": True}}}),
+        minion_overrides=dict(quiet, **{"pytest-minion": {"log": {"disabled": True}}}),
+    )
+    stack.callback(cluster.stop)
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    import salt.utils.yaml
+
+    dropin.write_text(salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    cluster.start()
+    for minion in cluster.peer_minions:
+        if not cluster.wait_ping(cluster.primary, minion.id, deadline=120):
+            raise RuntimeError(f"peer minion {minion.id} does not answer the primary")
+    return cluster
+
+
+# ---------------------------------------------------------------------------
+# the benchmark
+# ---------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args, root, cluster, sshd, env):
+        self.args = args
+        self.root = root
+        self.cluster = cluster
+        self.sshd = sshd
+        self.env = env
+        self.primary = cluster.primary
+        self.conf_dir = str(pathlib.Path(self.primary.config_file).parent)
+        self.peer_ids = [m.id for m in cluster.peer_minions]
+        self.pki = pathlib.Path(self.primary.config["pki_dir"])
+        self.base = pathlib.Path(self.primary.config["file_roots"]["base"][0])
+        self.targets = {p: root / "rsync" / p for p in self.peer_ids}
+        self.res = {"runs": {}, "notes": []}
+
+    # ----- commands ---------------------------------------------------------
+    def salt_run(self, *args, check=True):
+        return timed([str(BIN / "salt-run"), "-c", self.conf_dir, *args, "--out=json"],
+                     env=self.env, check=check)
+
+    def salt(self, tgt, *args, check=True):
+        return timed([str(BIN / "salt"), "-c", self.conf_dir, tgt, *args, "--out=json",
+                      "--static"], env=self.env, check=check)
+
+    def sync(self, peers, label, *extra):
+        since = time.time()
+        secs, proc = self.salt_run("multimaster.sync", "peers=" + ",".join(peers), *extra,
+                                   check=False)
+        try:
+            data = json.loads(proc.stdout)
+        except ValueError:
+            data = None
+        summary = self.summarize(data, peers)
+        ok = proc.returncode == 0 and summary["ok"]
+        self.record(label, secs, ok=ok, summary=summary, jobs=self.job_timings(since))
+        if not ok:
+            say(f"  !! {label}: exit {proc.returncode}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}")
+        return secs
+
+    def job_timings(self, since):
+        """
+        From the primary's job cache: for each multimaster_peer job published
+        since ``since``, seconds from its jid (publish) to each peer's stored
+        return, and the size of the published load.
+        """
+        import salt.payload  # pylint: disable=import-outside-toplevel
+
+        jobs = pathlib.Path(self.primary.config["cachedir"]) / "jobs"
+        out = []
+        for load in jobs.glob("*/*/.load.p"):
+            try:
+                if load.stat().st_mtime < since - 1:
+                    continue
+                with open(load, "rb") as fh:
+                    data = salt.payload.load(fh)
+            except (OSError, ValueError):
+                continue
+            fun = data.get("fun")
+            if not isinstance(fun, str) or not fun.startswith("multimaster_peer."):
+                continue
+            jid = data.get("jid") or (load.parent / "jid").read_text().strip()
+            start = datetime.datetime.strptime(str(jid)[:20], "%Y%m%d%H%M%S%f").timestamp()
+            rets = {}
+            for ret in load.parent.glob("*/return.p"):
+                rets[ret.parent.name] = round(ret.stat().st_mtime - start, 2)
+            out.append({"fun": fun.split(".", 1)[1], "jid": str(jid),
+                        "load_mb": round(load.stat().st_size / 1e6, 2), "returned_after_s": rets})
+        return sorted(out, key=lambda j: j["jid"])
+
+    @staticmethod
+    def summarize(data, peers):
+        out = {"ok": isinstance(data, dict)}
+        if not isinstance(data, dict):
+            return out
+        for peer in peers:
+            res = data.get(peer) or {}
+            out["ok"] = out["ok"] and res.get("result") is True
+            counts = {}
+            for cat, rep in res.items():
+                if isinstance(rep, dict) and "added" in rep:
+                    counts[cat] = {k: len(v) for k, v in rep.items() if v}
+            out[peer] = {"result": res.get("result"), "changes": counts,
+                         "error": res.get("error")}
+        return out
+
+    def rsync(self, peers, label):
+        """rsync the pki minions dir and file_roots base to each peer's target, one after another."""
+        start = time.perf_counter()
+        for peer in peers:
+            self.targets[peer].mkdir(parents=True, exist_ok=True)
+            timed(self.sshd.rsync_cmd([self.pki / "minions", self.base], self.targets[peer]))
+        secs = time.perf_counter() - start
+        self.record(label, secs)
+        return secs
+
+    def record(self, label, secs, **extra):
+        self.res["runs"].setdefault(label, []).append(dict(secs=round(secs, 3), **extra))
+        say(f"  {label}: {secs:.2f}s" + ("" if extra.get("ok", True) else "  (FAILED)"))
+
+    def med(self, label):
+        return median([r["secs"] for r in self.res["runs"].get(label, [])])
+
+    def repeat(self, n, fn, *args):
+        for _ in range(n):
+            fn(*args)
+
+    # ----- phases -------------------------------------------------------------
+    def floor(self, label="floor: salt-run test.arg"):
+        for _ in range(self.args.repeat):
+            secs, _ = self.salt_run("test.arg", "bench")
+            self.record(label, secs)
+
+    def run(self):
+        a, n = self.args, self.args.repeat
+        peer1, peers = self.peer_ids[0], self.peer_ids
+        say(f"primary has {len(os.listdir(self.pki / 'minions'))} accepted keys, "
+            f"file_roots base {du_bytes(self.base) / 1e6:.1f} MB")
+
+        say("Salt floor (after one untimed warm-up salt-run)")
+        self.salt_run("test.arg", "warm-up")
+        self.floor()
+
+        say("initial sync vs rsync, 1 peer")
+        # multimaster.sync waits ``timeout`` (default 120 s) for a peer's apply;
+        # an initial apply of this size takes longer (see the report).
+        self.sync([peer1], "sync initial, 1 peer", INITIAL_TIMEOUT)
+        self.rsync([peer1], "rsync initial, 1 peer")
+
+        say("no-op, 1 peer")
+        self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer")
+        self.repeat(n, self.rsync, [peer1], "rsync no-op, 1 peer")
+
+        self.res["notes"].append(
+            f"initial syncs run with {INITIAL_TIMEOUT}: with the default (120 s) the runner "
+            "stops waiting for a long apply and reports the peer failed while it keeps writing")
+        if len(peers) > 1:
+            say(f"initial sync of the other {len(peers) - 1} peer(s), in parallel (one salt-run)")
+            self.sync(peers[1:], f"sync initial, {len(peers) - 1} more peers in parallel",
+                      INITIAL_TIMEOUT)
+            self.rsync(peers[1:], f"rsync initial, {len(peers) - 1} more peers sequentially")
+            say(f"no-op, {len(peers)} peers")
+            self.repeat(n, self.sync, peers, f"sync no-op, {len(peers)} peers")
+            self.repeat(n, self.rsync, peers, f"rsync no-op, {len(peers)} peers sequentially")
+
+        say("1 new key + 1 changed file, 1 peer")
+        pubs = sorted((self.pki / "minions").iterdir())[:3]
+        files = sorted(p for p in self.base.rglob("*.sls"))
+        rng = random.Random(7)
+        for i in range(n):
+            self.change(pubs, files, rng, i)
+            self.sync([peer1], "sync 1 key + 1 file, 1 peer")
+            # the same change again for rsync (the sync already wrote peer1's
+            # master dirs, rsync's target dirs are separate)
+            self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
+
+        say("where the time goes")
+        self.breakdown(peer1)
+        say("what lowers the floor")
+        self.tunings()
+        if a.profile:
+            say("profiles (cProfile of salt-run)")
+            self.profile("noop-sync", ["multimaster.sync", f"peers={peer1}"])
+            self.profile("floor", ["test.arg", "bench"])
+
+    def change(self, pubs, files, rng, i):
+        key = self.pki / "minions" / f"bench-new-{i:03d}"
+        key.write_bytes(pubs[i % len(pubs)].read_bytes())
+        path = files[rng.randrange(len(files))]
+        data = path.read_bytes()
+        path.write_bytes(os.urandom(min(len(data), 4096)) + data[4096:])
+
+    # ----- breakdown ----------------------------------------------------------
+    def breakdown(self, peer):
+        n = self.args.repeat
+        for _ in range(n):
+            secs, _ = self.salt(peer, "test.ping")
+            self.record("salt <peer> test.ping", secs)
+        cats = "categories=[master_keys,minion_keys,file_roots,pillar_roots,master_config]"
+        secs, proc = self.salt(peer, "multimaster_peer.inventory", cats, "test=True")
+        self.record("salt <peer> multimaster_peer.inventory (full manifests)", secs,
+                    out_bytes=len(proc.stdout))
+        inv = json.loads(proc.stdout)[peer]
+        digests = {c: inv[c]["digest"] for c in ("minion_keys", "file_roots", "pillar_roots")}
+        for _ in range(n):
+            secs, _ = self.salt(peer, "multimaster_peer.inventory", cats,
+                                "digests=" + json.dumps(digests), "test=True")
+            self.record("salt <peer> multimaster_peer.inventory (digests only: no-op)", secs)
+        # the manifests themselves, in this process, warm hash cache (copy)
+        self.in_process_manifests()
+        # the return size of a no-op inventory vs a full one
+        self.res["inventory_full_json_bytes"] = len(json.dumps(inv))
+
+    def in_process_manifests(self):
+        sys.path.insert(0, str(self.root / "site"))
+        from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+        cache_src = pathlib.Path(self.primary.config["cachedir"]) / "multimaster" / "hashcache.json"
+        tmp = self.root / "hashcache-copy.json"
+        if cache_src.exists():
+            shutil.copyfile(cache_src, tmp)
+        for _ in range(self.args.repeat):
+            t0 = time.perf_counter()
+            cache = manifest.HashCache(str(tmp))
+            t1 = time.perf_counter()
+            keys = manifest.keys_manifest(str(self.pki), cache)
+            t2 = time.perf_counter()
+            roots = manifest.roots_manifest(self.primary.config["file_roots"],
+                                            manifest.Ignore.from_opts(self.primary.config), cache)
+            t3 = time.perf_counter()
+            manifest.digest(keys)
+            manifest.digest(roots)
+            t4 = time.perf_counter()
+            cache.dirty = True
+            cache.save()
+            t5 = time.perf_counter()
+            self.record("in-process: HashCache load", t1 - t0)
+            self.record("in-process: keys_manifest (stat, warm cache)", t2 - t1, hashed=cache.hashed)
+            self.record("in-process: roots_manifest (stat, warm cache)", t3 - t2)
+            self.record("in-process: digests", t4 - t3)
+            self.record("in-process: HashCache save", t5 - t4)
+
+    def tunings(self):
+        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
+        import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+        self.floor("floor: salt-run test.arg (again, default config)")
+        try:
+            for label, values in FLOOR_TUNINGS:
+                dropin.write_text(salt.utils.yaml.safe_dump(values))
+                for _ in range(self.args.repeat):
+                    secs, _ = self.salt_run("test.arg", "bench")
+                    self.record(f"floor with {label}", secs)
+            # the same settings on a no-op sync (salt-run side only; the daemon keeps its config)
+            dropin.write_text(salt.utils.yaml.safe_dump({"job_cache": False}))
+            self.repeat(self.args.repeat, self.sync, [self.peer_ids[0]],
+                        "sync no-op, 1 peer, salt-run with job_cache: False")
+        finally:
+            dropin.unlink(missing_ok=True)
+
+    def profile(self, name, args):
+        out = self.root / f"{name}.prof"
+        cmd = [sys.executable, "-m", "cProfile", "-o", str(out), str(BIN / "salt-run"),
+               "-c", self.conf_dir, *args, "--out=json"]
+        secs, _ = timed(cmd, env=self.env, check=False)
+        self.record(f"cProfile run: salt-run {' '.join(args)}", secs)
+        buf = io.StringIO()
+        stats = pstats.Stats(str(out), stream=buf)
+        stats.sort_stats("cumulative").print_stats(45)
+        text = buf.getvalue()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"profile-{name}-{self.args.stamp}.txt").write_text(text)
+        self.res.setdefault("profiles", {})[name] = self.profile_summary(stats)
+
+    @staticmethod
+    def profile_summary(stats):
+        """Cumulative seconds of the functions that explain a salt-run."""
+        wanted = {
+            ("multimaster.py", "sync"), ("multimaster.py", "_primary_state"),
+            ("multimaster.py", "_publish"), ("multimaster.py", "_peer_errors"),
+            ("manifest.py", "keys_manifest"), ("manifest.py", "roots_manifest"),
+            ("manifest.py", "save"), ("manifest.py", "__init__"),
+            ("client/__init__.py", "cmd"), ("client/__init__.py", "pub"),
+            ("client/__init__.py", "run_job"), ("client/__init__.py", "get_cli_event_returns"),
+            ("minions.py", "check_minions"), ("minions.py", "_check_glob_minions"),
+            ("minions.py", "_pki_minions"), ("minions.py", "_check_list_minions"),
+            ("job.py", "store_job"), ("local_cache.py", "save_load"),
+            ("local_cache.py", "prep_jid"), ("local_cache.py", "returner"),
+            ("runner.py", "run"), ("mixins.py", "low"), ("mixins.py", "_low"),
+            ("loader/__init__.py", "runner"), ("loader/__init__.py", "returners"),
+            ("concurrent/futures/_base.py", "result"), ("threading.py", "wait"),
+        }
+        out = {}
+        for (path, _line, func), (_cc, _nc, _tt, ct, _callers) in stats.stats.items():
+            for suffix, fname in wanted:
+                if func == fname and path.endswith(suffix):
+                    key = f"{'/'.join(path.split('/')[-2:])}:{func}"
+                    out[key] = round(max(out.get(key, 0), ct), 3)
+        out["total"] = round(stats.total_tt, 3)
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    # ----- report -------------------------------------------------------------
+    def report(self):
+        # the floor: every default-config salt-run test.arg of the run (start and end)
+        floor = median([r["secs"] for label in ("floor: salt-run test.arg",
+                                                "floor: salt-run test.arg (again, default config)")
+                        for r in self.res["runs"].get(label, [])])
+        n = len(self.peer_ids)
+        rows = [
+            ("initial", "sync initial, 1 peer", "rsync initial, 1 peer"),
+            ("noop1", "sync no-op, 1 peer", "rsync no-op, 1 peer"),
+        ]
+        if n > 1:
+            rows.append(("noopN", f"sync no-op, {n} peers", f"rsync no-op, {n} peers sequentially"))
+        rows.append(("change", "sync 1 key + 1 file, 1 peer", "rsync 1 key + 1 file, 1 peer"))
+        lines = []
+        add = lines.append
+        args = self.args
+        add(f"salt-multimaster sync benchmark  {args.stamp}")
+        add(f"data: {self.res['keys']} accepted keys, {self.res['files']} files "
+            f"({self.res['bytes'] / 1e6:.1f} MB) in file_roots base; {n} peer(s); "
+            f"median of {args.repeat} where repeated; every figure a whole command")
+        add(f"Salt floor (bare salt-run test.arg, same keys; median of the runs at start and end): "
+            f"{fmt(floor)}")
+        add("")
+        hdr = f"{'case':<52} {'sync':>8} {'sync-floor':>11} {'rsync':>8} {'ratio':>7} {'goal':>6}  met"
+        add(hdr)
+        add("-" * len(hdr))
+        table = {}
+        for key, s_label, r_label in rows:
+            goal, desc = GOALS[key]
+            s, r = self.med(s_label), self.med(r_label)
+            net = s - floor
+            ratio = net / r if r else float("nan")
+            ok = all(x.get("ok", True) for x in self.res["runs"].get(s_label, []))
+            met = ("yes" if ratio <= goal else "NO") + ("" if ok else " (sync FAILED)")
+            add(f"{desc.format(n=n):<52} {fmt(s):>8} {fmt(net):>11} {fmt(r):>8} "
+                f"{ratio:>6.2f}x {goal:>5.1f}x  {met}")
+            table[key] = {"sync": s, "net": net, "rsync": r, "ratio": ratio, "goal": goal,
+                          "met": ratio <= goal, "sync_ok": ok}
+        self.res["table"] = table
+        self.res["floor"] = floor
+        add("")
+        add("all runs (median, [each run]):")
+        for label, runs in self.res["runs"].items():
+            add(f"  {label:<66} {fmt(self.med(label)):>8}  "
+                "[" + ", ".join(f"{r['secs']:.2f}" for r in runs) + "]")
+        add("")
+        add("sync returns (changes per category, first run of each case):")
+        for label, runs in self.res["runs"].items():
+            summ = runs[0].get("summary")
+            if summ:
+                add(f"  {label}: ok={summ.get('ok')}")
+                for peer in self.peer_ids:
+                    if peer in summ:
+                        add(f"    {peer}: {json.dumps(summ[peer]['changes'])}"
+                            + (f" error={summ[peer]['error']}" if summ[peer].get("error") else ""))
+        add("")
+        add("peer jobs (jid -> return stored on the primary, per peer; published load size):")
+        for label, runs in self.res["runs"].items():
+            for i, run in enumerate(runs):
+                for job in run.get("jobs") or []:
+                    add(f"  {label} #{i + 1}: {job['fun']:<9} load {job['load_mb']:>6.2f} MB  "
+                        + ", ".join(f"{p} {s:.2f}s" for p, s in job["returned_after_s"].items()))
+        add("")
+        add("notes:")
+        for note in FLOOR_NOTES + self.res["notes"]:
+            add(f"  - {note}")
+        for name, prof in self.res.get("profiles", {}).items():
+            add("")
+            add(f"cProfile {name} (cumulative s; threads other than main not profiled):")
+            for func, secs in prof.items():
+                add(f"  {func:<58} {secs:>8.3f}")
+        text = "\n".join(lines)
+        print("\n" + text, flush=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"sync-{args.stamp}.txt").write_text(text + "\n")
+        (RESULTS / f"sync-{args.stamp}.json").write_text(json.dumps(self.res, indent=1, default=str))
+        say(f"results in {RESULTS}/sync-{args.stamp}.{{txt,json}}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--keys", type=int, default=20000, help="accepted minion keys (20000)")
+    parser.add_argument("--files", type=int, default=10000, help="files in file_roots base (10000)")
+    parser.add_argument("--size-mb", type=float, default=110, help="total MB of those files (110)")
+    parser.add_argument("--peers", type=int, default=3, choices=(1, 2, 3),
+                        help="peer masters, for the parallel case (3)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each repeatable case (3)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip the cProfile runs")
+    parser.add_argument("--keep", action="store_true", help="keep the /tmp/mmb-* root")
+    args = parser.parse_args(argv)
+    args.stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+    # A SIGTERM/SIGINT still runs every cleanup below.
+    def _stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
+    quiet_salt_logging()
+
+    root = pathlib.Path(tempfile.mkdtemp(prefix="mmb-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    with contextlib.ExitStack() as stack:
+        if not args.keep:
+            stack.callback(shutil.rmtree, root, ignore_errors=True)
+        else:
+            stack.callback(say, f"kept {root}")
+        ensure_tools()
+        say(f"root {root}; installing the extension")
+        site = install_extension(root)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ)
+        say("generating keys")
+        pubs = gen_public_keys(50)
+        sshd = Sshd(root)
+        stack.callback(sshd.stop)
+        sshd.start()
+        say(f"sshd on 127.0.0.1:{sshd.port}")
+        say(f"starting the cluster (primary + {args.peers} peers + their minions)")
+        t0 = time.time()
+        cluster = build_cluster(root, stack, args.peers)
+        say(f"cluster up in {time.time() - t0:.0f}s")
+        pki = pathlib.Path(cluster.primary.config["pki_dir"])
+        base = pathlib.Path(cluster.primary.config["file_roots"]["base"][0])
+        say(f"writing {args.keys} keys and {args.files} files (~{args.size_mb} MB)")
+        write_keys(pki, pubs, args.keys)
+        write_files(base, args.files, args.size_mb)
+        subprocess.run(["sync"], check=False)
+        bench = Bench(args, root, cluster, sshd, env)
+        bench.res.update(keys=len(os.listdir(pki / "minions")), files=args.files,
+                         bytes=du_bytes(base), args=vars(args))
+        try:
+            bench.run()
+        finally:
+            if bench.res["runs"]:
+                bench.report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
