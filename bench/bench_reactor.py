@@ -1,0 +1,169 @@
+"""
+Benchmark: from ``salt-key -a <id>`` on the primary to the first answer of
+that minion through the peer, with the salt/key reactor of
+``salt.multimaster.master`` doing the replication.
+
+Run standalone (it drives pytest and the repository's real-daemon fixtures)::
+
+    .venv/bin/python bench/bench_reactor.py            # 20 trials
+    MM_BENCH_TRIALS=40 .venv/bin/python bench/bench_reactor.py
+
+Each trial: a new minion of both masters whose key is pending on both; the
+clock starts right before ``salt-key -a <id> -y`` runs on the primary and
+stops when ``test.ping`` through the peer returns True (an in-process
+LocalClient on the peer, pinging as soon as the minion's start event reaches
+the peer, re-pinging every second otherwise).  Prints p50/p90/p99/max and
+writes JSON to bench/results/ (goal: p50 <= 2 s, p99 <= 5 s).
+"""
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+TRIALS = int(os.environ.get("MM_BENCH_TRIALS", "20"))
+BATCH = int(os.environ.get("MM_BENCH_BATCH", "5"))
+
+
+def _percentile(values, pct):
+    values = sorted(values)
+    if not values:
+        return float("nan")
+    k = (len(values) - 1) * pct / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _wait(predicate, deadline=120, step=0.1):
+    end = time.time() + deadline
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.fixture(scope="session")
+def salt_factories_config(mm_root, pip_site):
+    """As tests/conftest.py: short root dir, the extension pip-installed for the daemons."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(pip_site), os.environ.get("PYTHONPATH", "")) if p
+    )
+    return {"root_dir": str(mm_root / "f"), "start_timeout": 120}
+
+
+@pytest.mark.daemons
+def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-locals
+    import salt.client  # pylint: disable=import-outside-toplevel
+    import salt.config  # pylint: disable=import-outside-toplevel
+    import salt.utils.event  # pylint: disable=import-outside-toplevel
+    import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+    cluster = cluster_factory(
+        "bre",
+        peers=1,
+        minions=0,
+        accept_on_peers=False,
+        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+    )
+    master_d = pathlib.Path(cluster.primary.config_file).parent / "master.d"
+    master_d.mkdir(exist_ok=True)
+    (master_d / "multimaster.conf").write_text(salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    # what salt.multimaster.master writes
+    (master_d / "multimaster-reactor.conf").write_text(salt.utils.yaml.safe_dump(
+        {"reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}]}))
+    cluster.start()
+    peer = cluster.peers[0]
+    for pm in cluster.peer_minions:
+        assert cluster.wait_ping(cluster.primary, pm.id)
+    peer_opts = salt.config.client_config(str(peer.config_file))
+    client = salt.client.LocalClient(mopts=peer_opts)
+    events = salt.utils.event.get_master_event(
+        peer_opts, peer_opts["sock_dir"], listen=True
+    )
+    timings, failures = [], []
+    trial = 0
+    try:
+        while trial < TRIALS:
+            ids = [f"bre-m{trial + i:03d}" for i in range(min(BATCH, TRIALS - trial))]
+            minions = []
+            for mid in ids:
+                minion = cluster._minion(mid, cluster.masters, {})  # pylint: disable=protected-access
+                minion.get_check_events = lambda: []
+                minion.start()
+                minions.append(minion)
+            try:
+                for mid in ids:
+                    assert _wait(lambda mid=mid: mid in cluster.keys(cluster.primary)["minions_pre"])
+                    assert _wait(lambda mid=mid: mid in cluster.keys(peer)["minions_pre"])
+                for mid in ids:
+                    trial += 1
+                    start = time.time()
+                    ret = cluster.salt_key(cluster.primary, "-a", mid, "-y")
+                    assert ret.returncode == 0, ret
+                    answered = None
+                    seen_start = False
+                    end = start + 60
+                    while time.time() < end:
+                        # ping as soon as the minion (re)connects to the peer;
+                        # without its start event, re-ping every few seconds
+                        if not seen_start:
+                            seen_start = bool(events.get_event(
+                                wait=0.5, tag=f"salt/minion/{mid}/start", full=True))
+                        if not seen_start and time.time() - start < 5:
+                            continue
+                        got = client.cmd(mid, "test.ping", timeout=2)
+                        if got.get(mid) is True:
+                            answered = time.time()
+                            break
+                    if answered is None:
+                        failures.append(mid)
+                    else:
+                        timings.append(answered - start)
+                    with capsys.disabled():
+                        print(f"trial {trial:2d} {mid}: "
+                              f"{'%.2f s' % (answered - start) if answered else 'NO ANSWER'}",
+                              flush=True)
+            finally:
+                for minion in minions:
+                    minion.terminate()
+    finally:
+        events.destroy()
+        cluster.stop()
+    report = {
+        "trials": TRIALS,
+        "answered": len(timings),
+        "failures": failures,
+        "p50": round(_percentile(timings, 50), 3),
+        "p90": round(_percentile(timings, 90), 3),
+        "p99": round(_percentile(timings, 99), 3),
+        "max": round(max(timings), 3) if timings else None,
+        "mean": round(statistics.mean(timings), 3) if timings else None,
+        "timings": [round(t, 3) for t in timings],
+        "goal": {"p50": 2.0, "p99": 5.0},
+    }
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"bench_reactor-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
+        json.dumps(report, indent=2))
+    with capsys.disabled():
+        print("\naccept on primary -> first answer through the peer "
+              f"({len(timings)}/{TRIALS} answered): p50 {report['p50']} s, "
+              f"p90 {report['p90']} s, p99 {report['p99']} s, max {report['max']} s "
+              "(goal p50 <= 2 s, p99 <= 5 s)", flush=True)
+    assert not failures, failures
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    sys.exit(pytest.main([
+        str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
+        "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
+    ]))
