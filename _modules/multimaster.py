@@ -7,6 +7,11 @@ pillar keys ``multimaster:masters`` and ``multimaster:master_finger``.
 """
 
 import logging
+import os
+
+import salt.config
+import salt.utils.data
+from salt.exceptions import CommandExecutionError, SaltInvocationError
 
 log = logging.getLogger(__name__)
 
@@ -14,6 +19,7 @@ __virtualname__ = "multimaster"
 
 try:
     import salt_multimaster
+    import salt_multimaster.audit
 
     HAS_CORE = True
 except ImportError:
@@ -42,6 +48,106 @@ def version():
     """
     return {"version": salt_multimaster.__version__, "module": __file__}
 
+
+def _expected(kwarg_value, pillar_key, default=None):
+    """A keyword argument, else the pillar value (read unmasked from __pillar__)."""
+    if kwarg_value is not None and kwarg_value != "":
+        return kwarg_value
+    value = salt.utils.data.traverse_dict_and_list(__pillar__, pillar_key, None)
+    return default if value is None else value
+
+
+def _minion_opts():
+    """
+    The minion configuration as written in its config files.  Inside a job of
+    a multi-master minion ``__opts__["master"]`` is only the master the job
+    came from: the configured list is in the files.
+    """
+    conf_file = __opts__.get("conf_file")
+    if not conf_file or not os.path.isfile(conf_file):
+        log.debug("multimaster.audit: no config file %r, using the running opts", conf_file)
+        return dict(__opts__)
+    opts = salt.config.minion_config(conf_file, minion_id=__opts__.get("id"))
+    opts["conf_file"] = conf_file
+    return opts
+
+
+def audit(masters=None, master_finger=None, master_version=None, topology=None, timeout=1):
+    """
+    Audit this minion's multi-master configuration, changing nothing.
+
+    Returns ``{"result": bool, "findings": [...], "masters": [...],
+    "master_finger": "...", "saltversion": "..."}``.  Each finding is
+    ``{"check", "severity", "message", "remedy"}`` with severity ``error``,
+    ``warning`` or ``info``; ``result`` is False (and ``salt`` exits non-zero)
+    when any finding is an error.  ``masters`` is the configured master list
+    and ``master_finger`` the fingerprint of the master key the minion trusts.
+
+    Checks: master_list, duplicate_master, master_reachable, master_pubkey,
+    master_alive_interval, failover_settings, ipc_tcp_ports, version_skew,
+    duplicate_minion_process.
+
+    masters
+        The expected master list (list or comma separated).  Default: pillar
+        ``multimaster:masters``.
+
+    master_finger
+        The expected master key fingerprint as ``salt-key -F master`` prints it
+        (with topology ``signed``: the fingerprint of master_sign.pub).
+        Default: pillar ``multimaster:master_finger``, else the minion's own
+        ``master_finger`` option.
+
+    master_version
+        The masters' Salt version: one version, a list, or a mapping
+        ``{master: version}``; quote it on the CLI (``master_version="'3008.10'"``)
+        so YAML does not read it as a number.  Default: pillar
+        ``multimaster:master_version``.  Without it version_skew is not checked.
+
+    topology
+        ``shared`` (default) or ``signed``.  Default: pillar ``multimaster:topology``.
+
+    timeout
+        Seconds for each TCP connect and for name resolution.  Default: 1.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt '*' multimaster.audit
+        salt '*' multimaster.audit masters=master01,master02 master_finger='4a:7f:...'
+        salt '*' multimaster.audit master_version=3008.3 topology=signed
+    """
+    expected_masters = salt_multimaster.audit.split_masters(
+        _expected(masters, "multimaster:masters")
+    )
+    topology = str(_expected(topology, "multimaster:topology", "shared")).lower()
+    if topology not in salt_multimaster.audit.TOPOLOGIES:
+        raise SaltInvocationError(
+            f"multimaster.audit: topology must be 'shared' or 'signed', not {topology!r}"
+        )
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+    try:
+        opts = _minion_opts()
+    except Exception as exc:  # pylint: disable=broad-except
+        raise CommandExecutionError(f"multimaster.audit: cannot read the minion config: {exc}")
+    finger = _expected(master_finger, "multimaster:master_finger") or opts.get("master_finger")
+    versions = salt_multimaster.audit.master_version_map(
+        _expected(master_version, "multimaster:master_version")
+    )
+    ret = salt_multimaster.audit.run_audit(
+        opts,
+        expected_masters=expected_masters,
+        expected_finger=finger,
+        master_versions=versions,
+        topology=topology,
+        timeout=timeout,
+    )
+    if not ret["result"]:
+        __context__["retcode"] = 1
+    return ret
 
 # ---------------------------------------------------------------------------
 # Minion configuration helpers used by the multimaster states.  Everything

@@ -1,0 +1,797 @@
+"""
+Checks behind ``salt '*' multimaster.audit``.
+
+Every check is a plain function over a minion configuration dictionary (the
+options ``salt.config.minion_config`` returns) and a few observed facts, and
+returns a list of findings::
+
+    {"check": "<id>", "severity": "error|warning|info",
+     "message": "...", "remedy": "..."}
+
+Nothing here changes the system.  Functions that observe the system (name
+resolution, TCP connects, the process table, the cached master key) take the
+observation as an argument or accept a replacement callable, so the checks
+are testable without daemons.
+"""
+
+import concurrent.futures
+import ipaddress
+import logging
+import os
+import re
+import socket
+import time
+
+log = logging.getLogger(__name__)
+
+CHECKS = (
+    "master_list",
+    "duplicate_master",
+    "master_reachable",
+    "master_pubkey",
+    "master_alive_interval",
+    "failover_settings",
+    "ipc_tcp_ports",
+    "version_skew",
+    "duplicate_minion_process",
+)
+SEVERITIES = ("error", "warning", "info")
+TOPOLOGIES = ("shared", "signed")
+DEFAULT_MASTER_PORT = 4506
+DEFAULT_PUBLISH_PORT = 4505
+DEFAULT_CONF_DIR = "/etc/salt"
+
+
+def finding(check, severity, message, remedy):
+    """Build one finding."""
+    if severity not in SEVERITIES:
+        raise ValueError(f"unknown severity {severity!r}")
+    return {"check": check, "severity": severity, "message": message, "remedy": remedy}
+
+
+# ---------------------------------------------------------------------------
+# Master entries
+# ---------------------------------------------------------------------------
+def master_entries(masters):
+    """
+    The configured master entries as a list of strings: Salt's ``master``
+    option is a string or a list.
+    """
+    if masters is None or masters == "":
+        return []
+    if isinstance(masters, (list, tuple)):
+        return [str(m).strip() for m in masters if str(m).strip()]
+    return [str(masters).strip()]
+
+
+def split_masters(value):
+    """
+    Expected masters given on the command line: a list, or a comma separated
+    string (``masters=m1,m2``).
+    """
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return [v.strip() for v in str(value).split(",") if v.strip()]
+
+
+def parse_master(entry, default_port=DEFAULT_MASTER_PORT):
+    """
+    ``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address ->
+    ``(host, port)``; the port defaults to ``default_port`` (the minion's
+    ``master_port``), as Salt's minion does.
+    """
+    entry = str(entry).strip()
+    host, port = entry, None
+    if entry.startswith("["):
+        host, _, rest = entry[1:].partition("]")
+        if rest.startswith(":") and rest[1:].isdigit():
+            port = int(rest[1:])
+    elif entry.count(":") == 1:
+        name, _, maybe_port = entry.partition(":")
+        if maybe_port.isdigit():
+            host, port = name, int(maybe_port)
+    try:
+        host = ipaddress.ip_address(host).compressed
+    except ValueError:
+        host = host.lower().rstrip(".")
+    return host, int(port if port is not None else default_port)
+
+
+def is_ip(host):
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _getaddrinfo(host):
+    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    return {ipaddress.ip_address(info[4][0].split("%", 1)[0]).compressed for info in infos}
+
+
+def resolve_hosts(hosts, timeout=2.0, resolver=None):
+    """
+    Resolve host names in parallel, giving up after ``timeout`` seconds.
+
+    Returns ``{host: set of addresses}``; an IP address resolves to itself and
+    a name that does not resolve (in time) maps to an empty set.
+    """
+    resolver = resolver or _getaddrinfo
+    ret = {}
+    names = []
+    for host in dict.fromkeys(hosts):
+        if is_ip(host):
+            ret[host] = {host}
+        else:
+            names.append(host)
+    if not names:
+        return ret
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(names)))
+    futures = {pool.submit(resolver, name): name for name in names}
+    try:
+        done, _ = concurrent.futures.wait(futures, timeout=timeout)
+        for future, name in futures.items():
+            try:
+                ret[name] = set(future.result(timeout=0)) if future in done else set()
+            except Exception as exc:  # pylint: disable=broad-except
+                log.debug("multimaster.audit: cannot resolve %s: %s", name, exc)
+                ret[name] = set()
+    finally:
+        pool.shutdown(wait=False)
+    return ret
+
+
+def _same_master(a, b, resolved):
+    """Two parsed entries name the same master: same port, same host or a shared address."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a != port_b:
+        return False
+    if host_a == host_b:
+        return True
+    return bool(resolved.get(host_a, set()) & resolved.get(host_b, set()))
+
+
+# ---------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------
+def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resolved=None):
+    """
+    master_list: the configured masters against the expected list.  Entries
+    are compared as Salt connects to them: host (or any of its addresses) and
+    request port.
+    """
+    resolved = resolved or {}
+    if not masters:
+        return [
+            finding(
+                "master_list",
+                "error",
+                "No master is configured.",
+                "Set 'master' in the minion configuration to the list of masters.",
+            )
+        ]
+    if expected is None:
+        return [
+            finding(
+                "master_list",
+                "info",
+                "No expected master list given: configured masters not compared.",
+                "Set pillar 'multimaster:masters' (or pass masters=...) to the list "
+                "every minion must use.",
+            )
+        ]
+    conf = [(m, parse_master(m, default_port)) for m in masters]
+    want = [(m, parse_master(m, default_port)) for m in expected]
+    missing = [
+        name for name, parsed in want
+        if not any(_same_master(parsed, c, resolved) for _, c in conf)
+    ]
+    unexpected = [
+        name for name, parsed in conf
+        if not any(_same_master(parsed, w, resolved) for _, w in want)
+    ]
+    ret = []
+    if missing:
+        ret.append(
+            finding(
+                "master_list",
+                "error",
+                "Expected master(s) missing from the minion configuration: "
+                + ", ".join(missing),
+                "Add {} to 'master' in the minion configuration (or apply the "
+                "salt.multimaster minion state) and restart salt-minion.".format(
+                    ", ".join(missing)
+                ),
+            )
+        )
+    if unexpected:
+        ret.append(
+            finding(
+                "master_list",
+                "error",
+                "Configured master(s) not in the expected list: " + ", ".join(unexpected),
+                "Remove {} from 'master' in the minion configuration, or add it to "
+                "pillar 'multimaster:masters' if it is a real master; then restart "
+                "salt-minion.".format(", ".join(unexpected)),
+            )
+        )
+    return ret
+
+
+def check_duplicate_master(masters, default_port=DEFAULT_MASTER_PORT, resolved=None):
+    """
+    duplicate_master: one master listed twice, also under different spellings
+    (name and address, with and without the default port).  The minion then
+    holds two connections to that master and every job returns twice.
+    """
+    resolved = resolved or {}
+    parsed = [(m, parse_master(m, default_port)) for m in masters]
+    groups = []
+    for name, entry in parsed:
+        for group in groups:
+            if _same_master(group[0][1], entry, resolved):
+                group.append((name, entry))
+                break
+        else:
+            groups.append([(name, entry)])
+    ret = []
+    for group in groups:
+        if len(group) < 2:
+            continue
+        names = [name for name, _ in group]
+        host, port = group[0][1]
+        ret.append(
+            finding(
+                "duplicate_master",
+                "error",
+                "The same master is configured {} times: {} (all reach {}:{}); "
+                "every job from it returns {} times.".format(
+                    len(names), ", ".join(repr(n) for n in names),
+                    sorted(resolved.get(host) or {host})[0], port, len(names),
+                ),
+                "Keep one entry for this master in 'master' (remove {}) and restart "
+                "salt-minion.".format(", ".join(repr(n) for n in names[1:])),
+            )
+        )
+    return ret
+
+
+def tcp_connect(host, port, timeout):
+    """Return None when a TCP connection to host:port succeeds, else the reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or exc.__class__.__name__
+
+
+def check_master_reachable(masters, publish_port=DEFAULT_PUBLISH_PORT,
+                           default_port=DEFAULT_MASTER_PORT, timeout=1.0,
+                           connect=None):
+    """
+    master_reachable: a TCP connect to each master's publish and request port
+    (in parallel, ``timeout`` seconds each); one finding per unreachable master.
+    """
+    connect = connect or tcp_connect
+    targets, seen = [], set()
+    for name in masters:
+        host, ret_port = parse_master(name, default_port)
+        if (host, ret_port) in seen:
+            continue
+        seen.add((host, ret_port))
+        targets.append((name, host, [("publish", int(publish_port)), ("request", ret_port)]))
+    jobs = [(name, host, kind, port) for name, host, ports in targets for kind, port in ports]
+    if not jobs:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(jobs))) as pool:
+        results = list(pool.map(lambda j: connect(j[1], j[3], timeout), jobs))
+    failures = {}
+    for (name, host, kind, port), error in zip(jobs, results):
+        if error is not None:
+            failures.setdefault(name, []).append(f"{kind} port {port} ({error})")
+    ret = []
+    for name, problems in failures.items():
+        ret.append(
+            finding(
+                "master_reachable",
+                "error",
+                "Master {} is not reachable: {}.".format(name, "; ".join(problems)),
+                "Start salt-master on {} or open TCP ports {} from this minion "
+                "(firewall, interface, publish_port/ret_port); remove the entry if "
+                "the master is retired.".format(
+                    name, "/".join(p.split(" ")[2] for p in problems)
+                ),
+            )
+        )
+    return ret
+
+
+def normalize_finger(finger):
+    return re.sub(r"[^0-9a-f]", "", str(finger or "").lower())
+
+
+def master_key_path(opts, topology="shared"):
+    """The master key a minion trusts: minion_master.pub, or master_sign.pub when signed."""
+    pki_dir = opts.get("pki_dir") or ""
+    if topology == "signed":
+        name = opts.get("master_sign_key_name") or "master_sign"
+        return os.path.join(pki_dir, f"{name}.pub")
+    return os.path.join(pki_dir, "minion_master.pub")
+
+
+def key_finger(path, hash_type="sha256"):
+    """The fingerprint ``salt-key -F`` prints for the key at ``path``, or "" if missing."""
+    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+
+    if not os.path.isfile(path):
+        return ""
+    return salt.utils.crypt.pem_finger(path, sum_type=hash_type or "sha256")
+
+
+def check_master_pubkey(path, actual_finger, expected_finger, topology="shared"):
+    """
+    master_pubkey: the master key this minion trusts vs the expected
+    fingerprint (``salt-key -F master``; with topology signed the fingerprint
+    of master_sign.pub).
+    """
+    what = "master signing key" if topology == "signed" else "cached master key"
+    if not actual_finger:
+        if topology == "signed":
+            remedy = (
+                "Copy the masters' shared master_sign.pub to {} (or apply the "
+                "salt.multimaster minion state) and restart salt-minion.".format(path)
+            )
+        else:
+            remedy = (
+                "Start salt-minion so it authenticates and caches the master key at {} "
+                "(or apply the salt.multimaster minion state), then run the audit "
+                "again.".format(path)
+            )
+        return [finding("master_pubkey", "error", f"No {what}: {path} is missing.", remedy)]
+    if not expected_finger:
+        return [
+            finding(
+                "master_pubkey",
+                "info",
+                "The {} {} has fingerprint {}; no expected fingerprint given.".format(
+                    what, path, actual_finger
+                ),
+                "Set pillar 'multimaster:master_finger' to the output of "
+                "'salt-key -F master' on the primary.",
+            )
+        ]
+    if normalize_finger(actual_finger) != normalize_finger(expected_finger):
+        if topology == "signed":
+            remedy = (
+                "Replace {} with the masters' master_sign.pub (fingerprint {}) and "
+                "restart salt-minion (or apply the salt.multimaster minion "
+                "state).".format(path, expected_finger)
+            )
+        else:
+            remedy = (
+                "The minion trusts a stale or foreign master key: remove {} and restart "
+                "salt-minion so it caches the masters' key (or apply the salt.multimaster "
+                "minion state); check that every master serves the same master.pub "
+                "(salt-key -F master on each).".format(path)
+            )
+        return [
+            finding(
+                "master_pubkey",
+                "error",
+                "The {} {} has fingerprint {}, expected {}.".format(
+                    what, path, actual_finger, expected_finger
+                ),
+                remedy,
+            )
+        ]
+    return []
+
+
+def _as_int(value, default=0):
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def check_master_alive_interval(opts, masters):
+    """
+    master_alive_interval: unset or 0 with several masters is a warning: the
+    first command after a master comes back may be lost.
+    """
+    if len(masters) < 2 and opts.get("master_type") != "failover":
+        return []
+    if _as_int(opts.get("master_alive_interval")) > 0:
+        return []
+    return [
+        finding(
+            "master_alive_interval",
+            "warning",
+            "master_alive_interval is {} with {} masters: the minion does not notice "
+            "a master going away, and the first command after it comes back may be "
+            "lost.".format(opts.get("master_alive_interval") or "unset", len(masters)),
+            "Set master_alive_interval (e.g. 30) in the minion configuration and "
+            "restart salt-minion.",
+        )
+    ]
+
+
+def check_failover_settings(opts, masters, sign_key_present):
+    """
+    failover_settings: master_type failover without signed master keys
+    (verify_master_pubkey_sign and master_sign.pub), and the reverse.
+    """
+    ret = []
+    failover = opts.get("master_type") == "failover"
+    verify = bool(opts.get("verify_master_pubkey_sign"))
+    sign_name = (opts.get("master_sign_key_name") or "master_sign") + ".pub"
+    if failover and len(masters) < 2:
+        ret.append(
+            finding(
+                "failover_settings",
+                "warning",
+                "master_type is failover but only {} master is configured.".format(
+                    len(masters)
+                ),
+                "List every master in 'master' or drop master_type: failover.",
+            )
+        )
+    if failover and not verify:
+        ret.append(
+            finding(
+                "failover_settings",
+                "warning",
+                "master_type is failover but verify_master_pubkey_sign is off: the "
+                "minion cannot tell a legitimate failover master from an impostor.",
+                "Use the signed topology: set verify_master_pubkey_sign: True and place "
+                "the masters' {} in the minion pki_dir, or keep one shared master key "
+                "on every master.".format(sign_name),
+            )
+        )
+    if verify and not sign_key_present:
+        ret.append(
+            finding(
+                "failover_settings",
+                "error",
+                "verify_master_pubkey_sign is on but {} is missing from the minion "
+                "pki_dir: authentication with a signed master fails.".format(sign_name),
+                "Copy the masters' {} into the minion pki_dir (or apply the "
+                "salt.multimaster minion state with topology signed).".format(sign_name),
+            )
+        )
+    if verify and not failover and len(masters) > 1:
+        ret.append(
+            finding(
+                "failover_settings",
+                "warning",
+                "verify_master_pubkey_sign is on but master_type is {}: the signed "
+                "multi-master PKI is meant for master_type failover.".format(
+                    opts.get("master_type") or "str"
+                ),
+                "Set master_type: failover (with master_alive_interval), or drop "
+                "verify_master_pubkey_sign when all masters share one key.",
+            )
+        )
+    return ret
+
+
+def ports_list_supported(key):
+    """
+    Whether the running Salt accepts a list for ``key``: Salt 3008 types
+    tcp_pub_port/tcp_pull_port as one int and cannot start with a list.
+    """
+    import salt.config  # pylint: disable=import-outside-toplevel
+
+    valid = salt.config.VALID_OPTS.get(key)
+    types = valid if isinstance(valid, tuple) else (valid,)
+    return any(t in (list, tuple) for t in types if isinstance(t, type))
+
+
+def check_ipc_tcp_ports(opts, masters, list_supported=None):
+    """
+    ipc_tcp_ports: with ipc_mode tcp, per-master tcp_pub_port/tcp_pull_port
+    lists must have one port per master and never repeat a port.
+    ``list_supported(key)`` tells whether this Salt takes a list for ``key``.
+    """
+    if opts.get("ipc_mode") != "tcp":
+        return []
+    list_supported = list_supported or ports_list_supported
+    ret = []
+    seen = {}
+    for key in ("tcp_pub_port", "tcp_pull_port"):
+        value = opts.get(key)
+        ports = list(value) if isinstance(value, (list, tuple)) else [value]
+        ports = [p for p in ports if p is not None]
+        if isinstance(value, (list, tuple)) and not list_supported(key):
+            ret.append(
+                finding(
+                    "ipc_tcp_ports",
+                    "error",
+                    "ipc_mode is tcp and {} is a list, but this Salt reads one port "
+                    "for it: salt-minion fails to start with this configuration.".format(key),
+                    "Set {} to a single port (this Salt binds one event publisher "
+                    "for all masters), or upgrade/downgrade to a Salt that takes a "
+                    "list per master.".format(key),
+                )
+            )
+        if isinstance(value, (list, tuple)) and len(ports) != len(masters):
+            ret.append(
+                finding(
+                    "ipc_tcp_ports",
+                    "error",
+                    "ipc_mode is tcp and {} lists {} port(s) for {} master(s).".format(
+                        key, len(ports), len(masters)
+                    ),
+                    "Give {} exactly one port per master, in the order of "
+                    "'master'.".format(key),
+                )
+            )
+        for port in ports:
+            seen.setdefault(_as_int(port, port), []).append(key)
+    repeated = {port: keys for port, keys in seen.items() if len(keys) > 1}
+    if repeated:
+        ret.append(
+            finding(
+                "ipc_tcp_ports",
+                "error",
+                "ipc_mode is tcp and port(s) {} are used more than once in "
+                "tcp_pub_port/tcp_pull_port.".format(
+                    ", ".join(str(p) for p in sorted(repeated, key=str))
+                ),
+                "Give every minion connection its own tcp_pub_port and tcp_pull_port; "
+                "no port may repeat.",
+            )
+        )
+    return ret
+
+
+def release(version):
+    """
+    The feature release of a Salt version: ``(3008,)`` for 3008.3,
+    ``(2018, 3)`` for 2018.3.2 (date-based versions), plus the full info tuple.
+    """
+    import salt.version  # pylint: disable=import-outside-toplevel
+
+    parsed = salt.version.SaltStackVersion.parse(str(version))
+    rel = (parsed.major,) if parsed.major >= 3000 else (parsed.major, parsed.minor or 0)
+    return rel, parsed
+
+
+def check_version_skew(minion_version, master_versions):
+    """
+    version_skew: a minion newer than a master is an error (Salt does not
+    support it); a minion older by a feature release or more is a warning.
+
+    ``master_versions`` is ``{label: version}``.
+    """
+    if not master_versions:
+        return [
+            finding(
+                "version_skew",
+                "info",
+                "Master versions unknown: version skew not checked.",
+                "Pass master_version=... or set pillar 'multimaster:master_version'; "
+                "'salt-run multimaster.audit' always passes it.",
+            )
+        ]
+    ret = []
+    minion_rel, minion_parsed = release(minion_version)
+    for label, master_version in master_versions.items():
+        try:
+            master_rel, master_parsed = release(master_version)
+        except Exception:  # pylint: disable=broad-except
+            ret.append(
+                finding(
+                    "version_skew",
+                    "warning",
+                    f"Cannot parse the version {master_version!r} of master {label}.",
+                    "Give master versions as Salt prints them (salt --version).",
+                )
+            )
+            continue
+        if minion_parsed > master_parsed:
+            ret.append(
+                finding(
+                    "version_skew",
+                    "error",
+                    "This minion runs Salt {}, newer than master {} (Salt {}): "
+                    "unsupported.".format(minion_version, label, master_version),
+                    "Upgrade the masters first (to {} or later), or pin salt-minion to "
+                    "{}.".format(minion_version, master_version),
+                )
+            )
+        elif minion_rel < master_rel:
+            ret.append(
+                finding(
+                    "version_skew",
+                    "warning",
+                    "This minion runs Salt {}, a feature release or more behind master "
+                    "{} (Salt {}): targeting and modules may silently differ.".format(
+                        minion_version, label, master_version
+                    ),
+                    f"Upgrade salt-minion to {master_version}.",
+                )
+            )
+    return ret
+
+
+# ----- processes --------------------------------------------------------------
+_MINION_SCRIPT = re.compile(r"(^|[-_])salt[-_]minion(\.py)?$")
+
+
+def list_processes(proc="/proc"):
+    """
+    ``[(pid, ppid, argv, cwd)]`` for every process readable under /proc.
+    """
+    ret = []
+    try:
+        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return ret
+    for pid in pids:
+        try:
+            with open(os.path.join(proc, str(pid), "cmdline"), "rb") as fh:
+                raw = fh.read()
+            if not raw:
+                continue
+            with open(os.path.join(proc, str(pid), "stat"), "rb") as fh:
+                stat = fh.read().decode("utf-8", "replace")
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
+        try:
+            cwd = os.readlink(os.path.join(proc, str(pid), "cwd"))
+        except OSError:
+            cwd = "/"
+        ret.append((pid, ppid, argv, cwd))
+    return ret
+
+
+def minion_config_dir(argv, cwd="/"):
+    """
+    When ``argv`` runs salt-minion, the configuration directory it uses
+    (``-c``/``--config-dir``, default /etc/salt), else None.  Process titles
+    set by Salt (setproctitle) put every argument into one string: split it.
+    """
+    words = []
+    for arg in argv:
+        words.extend(arg.split())
+    for index, word in enumerate(words[:3]):
+        if _MINION_SCRIPT.search(os.path.basename(word)):
+            args = words[index + 1:]
+            break
+    else:
+        return None
+    conf_dir = DEFAULT_CONF_DIR
+    for index, word in enumerate(args):
+        if word in ("-c", "--config-dir") and index + 1 < len(args):
+            conf_dir = args[index + 1]
+        elif word.startswith("--config-dir="):
+            conf_dir = word.split("=", 1)[1]
+        elif word.startswith("-c") and len(word) > 2 and not word.startswith("--"):
+            conf_dir = word[2:]
+    return os.path.realpath(os.path.join(cwd, conf_dir))
+
+
+def minion_daemons(conf_file, processes):
+    """
+    The top-level salt-minion daemons using the configuration directory of
+    ``conf_file``: processes running salt-minion with that config dir whose
+    parent is not one of them (job processes and the process manager are
+    children of the daemon and do not count).
+    """
+    conf_dir = os.path.realpath(os.path.dirname(conf_file))
+    mine = {
+        pid: ppid
+        for pid, ppid, argv, cwd in processes
+        if minion_config_dir(argv, cwd) == conf_dir
+    }
+    return sorted(pid for pid, ppid in mine.items() if ppid not in mine)
+
+
+def check_duplicate_minion_process(conf_file, processes):
+    """
+    duplicate_minion_process: more than one salt-minion daemon for this
+    configuration; every job runs and returns once per daemon.
+    """
+    daemons = minion_daemons(conf_file, processes)
+    if len(daemons) < 2:
+        return []
+    return [
+        finding(
+            "duplicate_minion_process",
+            "error",
+            "{} salt-minion daemons run with the configuration {} (PIDs {}): every "
+            "job runs and returns {} times.".format(
+                len(daemons), conf_file, ", ".join(str(p) for p in daemons), len(daemons)
+            ),
+            "Stop all but one (e.g. 'systemctl stop salt-minion', kill the stray PIDs "
+            "{}, 'systemctl start salt-minion') and make sure only one service or init "
+            "script starts salt-minion.".format(", ".join(str(p) for p in daemons[1:])),
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------
+# The whole audit
+# ---------------------------------------------------------------------------
+def run_audit(
+    opts,
+    expected_masters=None,
+    expected_finger=None,
+    master_versions=None,
+    topology="shared",
+    minion_version=None,
+    timeout=1.0,
+    processes=None,
+    resolver=None,
+    connect=None,
+):
+    """
+    Run every check over the minion options ``opts`` and return the audit:
+    ``{"result", "findings", "masters", "master_finger", "saltversion"}``.
+    """
+    import salt.version  # pylint: disable=import-outside-toplevel
+
+    started = time.monotonic()
+    if topology not in TOPOLOGIES:
+        raise ValueError(
+            "topology must be one of {}, not {!r}".format(", ".join(TOPOLOGIES), topology)
+        )
+    minion_version = minion_version or salt.version.__version__
+    masters = master_entries(opts.get("master"))
+    default_port = _as_int(opts.get("master_port"), DEFAULT_MASTER_PORT)
+    hosts = [parse_master(m, default_port)[0] for m in masters + list(expected_masters or [])]
+    resolved = resolve_hosts(hosts, timeout=max(timeout, 1.0), resolver=resolver)
+
+    key_path = master_key_path(opts, topology)
+    finger = key_finger(key_path, opts.get("hash_type"))
+    sign_key_present = os.path.isfile(master_key_path(opts, "signed"))
+    if processes is None:
+        processes = list_processes()
+
+    findings = []
+    findings += check_master_list(masters, expected_masters, default_port, resolved)
+    findings += check_duplicate_master(masters, default_port, resolved)
+    findings += check_master_reachable(
+        masters,
+        publish_port=_as_int(opts.get("publish_port"), DEFAULT_PUBLISH_PORT),
+        default_port=default_port,
+        timeout=timeout,
+        connect=connect,
+    )
+    findings += check_master_pubkey(key_path, finger, expected_finger, topology)
+    findings += check_master_alive_interval(opts, masters)
+    findings += check_failover_settings(opts, masters, sign_key_present)
+    findings += check_ipc_tcp_ports(opts, masters)
+    findings += check_version_skew(minion_version, master_versions)
+    findings += check_duplicate_minion_process(opts.get("conf_file") or "", processes)
+    log.debug("multimaster.audit: %d findings in %.3fs", len(findings),
+              time.monotonic() - started)
+    return {
+        "result": not any(f["severity"] == "error" for f in findings),
+        "findings": findings,
+        "masters": masters,
+        "master_finger": finger,
+        "saltversion": minion_version,
+    }
+
+
+def master_version_map(value):
+    """
+    ``master_version`` as given (one version for every master, a list, or a
+    ``{master: version}`` mapping) -> ``{label: version}``.
+    """
+    if value is None or value == "" or value == {}:
+        return {}
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return {f"#{i + 1}": str(v) for i, v in enumerate(value)}
+    if isinstance(value, str) and "," in value:
+        return {f"#{i + 1}": v.strip() for i, v in enumerate(value.split(",")) if v.strip()}
+    return {"(all)": str(value)}
