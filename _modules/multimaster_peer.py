@@ -215,7 +215,18 @@ class _Applier:
         fsutil.remove(path)
 
 
-def _apply_minion_keys(app, ops, primary_ids):
+def _op_bytes(app, op, purpose):
+    """The content of a write operation, however it travelled."""
+    if "raw" in op:
+        return op["raw"]
+    if "sealed" in op:
+        return app.open_sealed(op["sealed"], purpose)
+    if "data" in op:
+        return op["data"].encode()
+    raise CommandExecutionError("content missing (not pulled from the primary)")
+
+
+def _apply_minion_keys(app, ops):
     report = replicate.empty_report()
     pki = app.mopts["pki_dir"]
     for op in ops:
@@ -226,16 +237,24 @@ def _apply_minion_keys(app, ops, primary_ids):
             path = fsutil.safe_join(pki, rel)
             if op["op"] == replicate.WRITE:
                 fsutil.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
-                app.write(path, op["data"].encode(), 0o644, f"minion_keys/{rel}", op["sha256"],
-                          hasher=manifest.key_sha)
+                app.write(path, _op_bytes(app, op, f"minion_keys/{rel}"), 0o644,
+                          f"minion_keys/{rel}", op["sha256"], hasher=manifest.key_sha)
             else:
                 app.remove(path, f"minion_keys/{rel}")
             report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError) as exc:
             report["errors"].append(f"{rel}: {exc}")
-    if primary_ids is not None:
-        fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(primary_ids)), mode=0o600)
+    # ids received from the primary: a later removal there is a deletion
+    history = set(_read_json(_history_path(), []))
+    history |= {r.split("/", 1)[1] for r in report["updated"]}
+    history -= {r.split("/", 1)[1] for r in report["removed"]} - _history_keep(ops)
+    fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(history)), mode=0o600)
     return report
+
+
+def _history_keep(ops):
+    """Ids still written in some state by this sync (a moved key stays known)."""
+    return {op["id"] for op in ops if op["op"] == replicate.WRITE}
 
 
 def _apply_tree(app, cat, ops):
@@ -256,8 +275,8 @@ def _apply_tree(app, cat, ops):
                 report["removed"].append(rel)
                 continue
             target = current or fresh
-            if "sealed" in op:
-                data = app.open_sealed(op["sealed"], f"{cat}/{op['env']}/{op['rel']}")
+            if "sealed" in op or "raw" in op:
+                data = _op_bytes(app, op, f"{cat}/{op['env']}/{op['rel']}")
             else:
                 if client is None:
                     client = salt.fileclient.get_file_client(__opts__)
@@ -322,7 +341,44 @@ def _restart_master():
     return "restart_required"
 
 
-def apply(ops, topology="shared", primary_key_ids=None):
+PULL_CHUNK = 2000
+
+
+def _pull(app, ops, token):
+    """
+    Fetch the contents of operations marked ``pull`` from the primary through
+    ``multimaster.pull`` (peer_run): a request-channel round trip to the
+    primary only, its reply sealed to this minion's key.
+    """
+    import base64  # pylint: disable=import-outside-toplevel
+    import json  # pylint: disable=import-outside-toplevel
+
+    wanted = {}
+    for cat, cat_ops in ops.items():
+        for op in cat_ops:
+            if op.get("pull"):
+                key = (f"{cat}/{op['state']}/{op['id']}" if cat == "minion_keys"
+                       else f"{cat}/{op['env']}/{op['rel']}")
+                wanted[key] = op
+    names = sorted(wanted)
+    for start in range(0, len(names), PULL_CHUNK):
+        chunk = names[start:start + PULL_CHUNK]
+        request = base64.urlsafe_b64encode(
+            json.dumps({"token": token, "items": chunk}).encode()
+        ).decode().rstrip("=")
+        reply = __salt__["publish.runner"]("multimaster.pull", arg=[f"request={request}"], timeout=60)
+        if not isinstance(reply, dict) or "sealed" not in reply:
+            raise CommandExecutionError(
+                "the primary refused multimaster.pull "
+                f"({reply.get('error') if isinstance(reply, dict) and reply else 'check its peer_run'})"
+            )
+        contents = json.loads(app.open_sealed(reply["sealed"], f"pull/{token}"))
+        for key in chunk:
+            if key in contents:
+                wanted[key]["raw"] = base64.b64decode(contents[key])
+
+
+def apply(ops, topology="shared", pull_token=None):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -339,9 +395,12 @@ def apply(ops, topology="shared", primary_key_ids=None):
     mopts = _master_opts()
     app = _Applier(mopts)
     ret = {}
-    for cat, cat_ops in (ops or {}).items():
+    ops = ops or {}
+    if pull_token:
+        _pull(app, ops, pull_token)
+    for cat, cat_ops in ops.items():
         if cat == "minion_keys":
-            ret[cat] = _apply_minion_keys(app, cat_ops, primary_key_ids)
+            ret[cat] = _apply_minion_keys(app, cat_ops)
         elif cat in ("file_roots", "pillar_roots"):
             ret[cat] = _apply_tree(app, cat, cat_ops)
         elif cat == "master_keys":

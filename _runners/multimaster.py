@@ -96,13 +96,15 @@ def _conf(kwargs):
     from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
 
     conf = dict(__opts__.get("multimaster") or {})
-    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout"):
+    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit"):
         if kwargs.get(key) is not None:
             conf[key] = kwargs[key]
     conf.setdefault("topology", "shared")
     conf.setdefault("replicate", list(replicate.CATEGORIES))
     conf.setdefault("master_config_keys", list(replicate.DEFAULT_CONFIG_KEYS))
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
+    conf.setdefault("inline_limit", INLINE_LIMIT)
+    conf["timeout"], conf["inline_limit"] = int(conf["timeout"]), int(conf["inline_limit"])
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
     return conf
@@ -278,34 +280,161 @@ def _plan(conf, categories, primary, inv, force):
     return ops, report
 
 
-def _attach_contents(peer, ops, primary):
-    """Fill write operations with contents: minion keys in clear (public),
-    pillar files and private keys sealed to the peer's minion key; file_roots
-    files are fetched by the peer from this master's fileserver."""
-    from salt_multimaster import manifest, seal  # pylint: disable=import-outside-toplevel
+# Contents up to this size ride in the apply publish (sealed where secret);
+# larger ones are pulled by the peer over the request channel (peer_run).
+INLINE_LIMIT = 64 * 1024
+PULL_TTL = 600
+
+
+def _pull_allowed(peer):
+    """True when this master's peer_run lets ``peer`` call multimaster.pull."""
+    import re  # pylint: disable=import-outside-toplevel
+
+    for match, funs in (__opts__.get("peer_run") or {}).items():
+        if re.match(match, peer) and isinstance(funs, list):
+            if any(re.match(fun, "multimaster.pull") for fun in funs):
+                return True
+    return False
+
+
+def _content_path(cat, op):
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    if cat == "minion_keys":
+        return os.path.join(__opts__["pki_dir"], op["state"], op["id"])
+    return manifest.locate(__opts__["pillar_roots"][op["env"]], op["rel"])
+
+
+def _item(cat, op):
+    if cat == "minion_keys":
+        return f"{cat}/{op['state']}/{op['id']}"
+    return f"{cat}/{op['env']}/{op['rel']}"
+
+
+def _attach_contents(peer, ops, primary, inline_limit):
+    """
+    Fill write operations with their contents.
+
+    Private keys are sealed to the peer's minion key; file_roots files are
+    fetched by the peer from this master's fileserver.  Minion keys (public)
+    and pillar files (sealed) ride in the publish while small; past
+    ``inline_limit`` (default 64 KiB) they are pulled by the peer point-to-point through
+    ``multimaster.pull`` when ``peer_run`` allows it.  Return the pull token
+    (or None) and warnings.
+    """
+    import json  # pylint: disable=import-outside-toplevel
+    import secrets  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    from salt_multimaster import fsutil, seal  # pylint: disable=import-outside-toplevel
 
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         peer_pub = fh.read()
+    bulk = [(cat, op) for cat in ("minion_keys", "pillar_roots")
+            for op in ops.get(cat, []) if op["op"] == "write"]
+    size = 0
+    for cat, op in bulk:
+        try:
+            size += os.path.getsize(_content_path(cat, op))
+        except (OSError, TypeError):
+            pass
+    token, warnings = None, []
+    if size > inline_limit:
+        if _pull_allowed(peer):
+            token = secrets.token_hex(16)
+            pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
+            fsutil.makedirs(pull_dir, mode=0o700)
+            grant = {"peer": peer, "expires": time.time() + PULL_TTL,
+                     "items": sorted(_item(cat, op) for cat, op in bulk)}
+            fsutil.atomic_write(os.path.join(pull_dir, token), json.dumps(grant), mode=0o600)
+            for _, op in bulk:
+                op["pull"] = True
+        else:
+            warnings.append(
+                f"{size // 1024} KiB of minion keys / pillar files went sealed over the "
+                f"publish channel; let the peer pull them point-to-point with "
+                f"peer_run: {{'{peer}': ['multimaster.pull']}} in this master's config"
+            )
     for cat, cat_ops in ops.items():
         for op in cat_ops:
-            if op["op"] != "write":
+            if op["op"] != "write" or op.get("pull"):
                 continue
-            if cat == "minion_keys":
-                with open(os.path.join(__opts__["pki_dir"], op["state"], op["id"]), encoding="utf-8") as fh:
-                    op["data"] = fh.read()
-            elif cat == "pillar_roots":
-                path = manifest.locate(__opts__["pillar_roots"][op["env"]], op["rel"])
-                with open(path, "rb") as fh:
-                    op["sealed"] = seal.seal(peer_pub, fh.read(), peer, f"{cat}/{op['env']}/{op['rel']}")
+            if cat in ("minion_keys", "pillar_roots"):
+                with open(_content_path(cat, op), "rb") as fh:
+                    data = fh.read()
+                if cat == "minion_keys":
+                    op["data"] = data.decode()
+                else:
+                    op["sealed"] = seal.seal(peer_pub, data, peer, _item(cat, op))
             elif cat == "master_keys":
-                path = primary[cat]["files"][op["kind"]]
-                with open(path, "rb") as fh:
+                with open(primary[cat]["files"][op["kind"]], "rb") as fh:
                     data = fh.read()
                 if op["kind"] == "pem":
                     op["sealed"] = seal.seal(peer_pub, data, peer, f"master_keys/{op['name']}")
                 else:
                     op["data"] = data.decode()
-    return ops
+    return token, warnings
+
+
+def pull(request):
+    """
+    Serve minion keys and pillar files a peer pulls during a sync.
+
+    Not for operators: a peer's minion calls it through ``peer_run`` while
+    ``multimaster.sync`` runs.  The request names a grant the sync created
+    for that peer only (a random token, valid ten minutes) and items of that
+    grant; the reply is sealed to the calling peer's minion key, so job
+    cache and events hold ciphertext only.  Allow it on the primary with:
+
+    .. code-block:: yaml
+
+        peer_run:
+          master0[2-9]:
+            - multimaster.pull
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master02 publish.runner multimaster.pull
+    """
+    import base64  # pylint: disable=import-outside-toplevel
+    import json  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    from salt_multimaster import seal  # pylint: disable=import-outside-toplevel
+
+    caller = __opts__.get("id")
+    try:
+        req = json.loads(base64.urlsafe_b64decode(request + "=" * (-len(request) % 4)))
+        token, items = str(req["token"]), list(req["items"])
+        if not token.isalnum():
+            raise ValueError("bad token")
+        with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", token), encoding="utf-8") as fh:
+            grant = json.load(fh)
+    except (OSError, ValueError, KeyError, TypeError):
+        return {"error": "unknown or malformed pull request"}
+    if grant["peer"] != caller or grant["expires"] < time.time():
+        log.warning("multimaster: pull refused for %s", caller)
+        return {"error": f"no pull grant for {caller}"}
+    allowed = set(grant["items"])
+    contents, missing = {}, []
+    for item in items:
+        if item not in allowed:
+            missing.append(item)
+            continue
+        cat, rest = item.split("/", 1)
+        op = ({"state": rest.split("/", 1)[0], "id": rest.split("/", 1)[1]} if cat == "minion_keys"
+              else {"env": rest.split("/", 1)[0], "rel": rest.split("/", 1)[1]})
+        try:
+            with open(_content_path(cat, op), "rb") as fh:
+                contents[item] = base64.b64encode(fh.read()).decode()
+        except (OSError, TypeError):
+            missing.append(item)
+    with open(os.path.join(__opts__["pki_dir"], "minions", caller), encoding="utf-8") as fh:
+        peer_pub = fh.read()
+    sealed = seal.seal(peer_pub, json.dumps(contents), caller, f"pull/{token}")
+    return {"sealed": sealed, "missing": missing}
 
 
 def _merge(report, applied):
@@ -332,13 +461,15 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     ret.update(report)
     if any(ops.values()) and not test:
         ops = {c: o for c, o in ops.items() if o}
-        _attach_contents(peer, ops, primary)
-        kwarg = {"ops": ops, "topology": conf["topology"]}
-        if "minion_keys" in categories:
-            kwarg["primary_key_ids"] = sorted(
-                {mid for keys in primary["minion_keys"]["manifest"].values() for mid in keys}
-            )
-        rets = _publish([peer], "multimaster_peer.apply", kwarg, conf["timeout"])
+        token, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"])
+        if warnings:
+            ret["warnings"] = warnings
+        kwarg = {"ops": ops, "topology": conf["topology"], "pull_token": token}
+        try:
+            rets = _publish([peer], "multimaster_peer.apply", kwarg, conf["timeout"])
+        finally:
+            if token:
+                os.unlink(os.path.join(__opts__["cachedir"], "multimaster", "pull", token))
         applied = rets.get(peer)
         if not applied or not isinstance(applied.get("ret"), dict) or "backup" not in applied["ret"]:
             ret["result"] = False

@@ -32,10 +32,12 @@ def cluster(cluster_factory):
             "file_ignore_glob": ["*.swp"],
             "nodegroups": {"webs": "L@syn-minion1"},
             "publisher_acl": {"ops": ["test.*"]},
+            "peer_run": {"syn-peer.*": ["multimaster.pull"]},
         },
     )
     peers = [m.id for m in cluster.peer_minions]
-    _set_master_conf(cluster.primary, {"multimaster": {"peers": peers}})
+    # a small inline limit: the initial sync pulls keys and pillar files
+    _set_master_conf(cluster.primary, {"multimaster": {"peers": peers, "inline_limit": 1024}})
     cluster.start()
     for pm in cluster.peer_minions:
         assert cluster.wait_ping(cluster.primary, pm.id)
@@ -146,6 +148,7 @@ def test_sync_replicates_everything(cluster):
             for kind in ("added", "updated", "removed"):
                 assert sorted(res[cat][kind]) == sorted(plan[pm.id][cat][kind]), (cat, kind)
         assert res.get("restart_required") is True
+        assert "warnings" not in res  # bulk was pulled through peer_run, not published
         assert cluster.keys(peer) == primary_keys
         ppriv, ppub = master_key_paths(peer.config["pki_dir"])
         assert ppriv.read_bytes() == priv.read_bytes()

@@ -42,12 +42,15 @@ def test_signed_sync_shares_the_sign_pair_and_keeps_own_master_key(cluster):
     primary, peer = cluster.primary, cluster.peers[0]
     own_priv, _ = master_key_paths(peer.config["pki_dir"])
     own_key = own_priv.read_bytes()
-    ret = cluster.salt_run(primary, "multimaster.sync", "topology=signed",
+    ret = cluster.salt_run(primary, "multimaster.sync", "topology=signed", "inline_limit=10",
                            f"peers={cluster.peer_minions[0].id}",
                            "only=master_keys,minion_keys")
     assert ret.returncode == 0, ret.stdout
     res = ret.data[cluster.peer_minions[0].id]
     assert sorted(res["master_keys"]["updated"]) == ["master_sign.pem", "master_sign.pub"]
+    # no peer_run on this primary: bulk went sealed in the publish, with a warning
+    assert "peer_run" in res["warnings"][0]
+    assert cluster.keys(peer)["minions"] == cluster.keys(primary)["minions"]
     ppki, pki = cluster.pki_dir(peer), cluster.pki_dir(primary)
     assert (ppki / "master_sign.pem").read_bytes() == (pki / "master_sign.pem").read_bytes()
     assert (ppki / "master_sign.pub").read_bytes() == (pki / "master_sign.pub").read_bytes()
