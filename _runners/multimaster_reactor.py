@@ -38,7 +38,7 @@ def _touch(path):
         os.utime(path, None)
 
 
-def key_event(act=None, minion_id=None, window=0.2, max_rounds=20):
+def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retry_delay=2):
     """
     Replicate minion keys to the peers after a ``salt/key`` event, coalescing
     bursts: at most one ``multimaster.sync only=minion_keys`` runs at a time.
@@ -52,11 +52,18 @@ def key_event(act=None, minion_id=None, window=0.2, max_rounds=20):
         The minion whose key changed (logged only: the sync mirrors every key).
 
     window
-        Seconds to wait before a sync so that a burst of events is covered by
-        one sync.  Default 0.2.
+        Seconds to wait before each sync so that more of a burst is covered
+        by one sync.  Default 0: the first event syncs at once; events that
+        arrive meanwhile cause one more sync.
 
     max_rounds
         Upper bound of syncs one call runs while events keep arriving.
+
+    retries, retry_delay
+        A sync that fails (a peer briefly unreachable, e.g. while it
+        restarts) is tried again up to ``retries`` times, ``retry_delay``
+        seconds apart; a periodic full sync (``sync_interval`` of the
+        formula) catches anything left over.
 
     Returns ``{"queued": True}`` when a running sync will cover this event,
     else ``{"syncs": n, "result": bool, "last": <sync return>}``.
@@ -76,7 +83,7 @@ def key_event(act=None, minion_id=None, window=0.2, max_rounds=20):
     # mark will see it, and one that already released the lock is re-checked
     # below.
     _touch(dirty)
-    syncs, last, result = 0, None, True
+    syncs, last, result, failures = 0, None, True, 0
     while True:
         with open(lock_path, "a", encoding="utf-8") as lock:
             try:
@@ -92,11 +99,22 @@ def key_event(act=None, minion_id=None, window=0.2, max_rounds=20):
                     log.info("multimaster: key event %s %s: syncing minion keys", act, minion_id)
                     last = __salt__["multimaster.sync"](only="minion_keys")
                     syncs += 1
-                    if isinstance(last, dict):
-                        result = result and all(
-                            not isinstance(v, dict) or v.get("result", True) is not False
-                            for v in last.values()
-                        )
+                    ok = isinstance(last, dict) and all(
+                        not isinstance(v, dict) or v.get("result", True) is not False
+                        for v in last.values()
+                    )
+                    if ok:
+                        failures = 0
+                        continue
+                    failures += 1
+                    log.warning("multimaster: key sync failed (%s/%s): %s",
+                                failures, retries, last)
+                    if failures > retries:
+                        result = False
+                        failures = 0
+                        continue
+                    _touch(dirty)
+                    time.sleep(float(retry_delay))
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
         if not os.path.exists(dirty) or syncs >= max_rounds:

@@ -87,7 +87,7 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
     events = salt.utils.event.get_master_event(
         peer_opts, peer_opts["sock_dir"], listen=True
     )
-    timings, failures = [], []
+    timings, failures, phases = [], [], []
     trial = 0
     try:
         while trial < TRIALS:
@@ -107,21 +107,34 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
                     start = time.time()
                     ret = cluster.salt_key(cluster.primary, "-a", mid, "-y")
                     assert ret.returncode == 0, ret
-                    answered = None
-                    seen_start = False
+                    keyed = time.time()
+                    answered = synced = connected = None
                     end = start + 60
+                    while time.time() < end and synced is None:
+                        if mid in cluster.keys(peer)["minions"]:
+                            synced = time.time()
+                        else:
+                            time.sleep(0.02)
                     while time.time() < end:
                         # ping as soon as the minion (re)connects to the peer;
                         # without its start event, re-ping every few seconds
-                        if not seen_start:
-                            seen_start = bool(events.get_event(
-                                wait=0.5, tag=f"salt/minion/{mid}/start", full=True))
-                        if not seen_start and time.time() - start < 5:
-                            continue
+                        if connected is None:
+                            if events.get_event(wait=0.5, tag=f"salt/minion/{mid}/start",
+                                                full=True):
+                                connected = time.time()
+                            elif time.time() - start < 8:
+                                continue
                         got = client.cmd(mid, "test.ping", timeout=2)
                         if got.get(mid) is True:
                             answered = time.time()
                             break
+                    if answered is not None:
+                        phases.append({
+                            "salt_key": keyed - start,
+                            "reactor_sync": (synced or keyed) - keyed,
+                            "minion_reauth": (connected or synced or keyed) - (synced or keyed),
+                            "ping": answered - (connected or synced or keyed),
+                        })
                     if answered is None:
                         failures.append(mid)
                     else:
@@ -146,6 +159,10 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
         "max": round(max(timings), 3) if timings else None,
         "mean": round(statistics.mean(timings), 3) if timings else None,
         "timings": [round(t, 3) for t in timings],
+        "phases_p50": {
+            k: round(_percentile([p[k] for p in phases], 50), 3)
+            for k in ("salt_key", "reactor_sync", "minion_reauth", "ping")
+        } if phases else {},
         "goal": {"p50": 2.0, "p99": 5.0},
     }
     out = REPO / "bench" / "results"
@@ -157,6 +174,7 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
               f"({len(timings)}/{TRIALS} answered): p50 {report['p50']} s, "
               f"p90 {report['p90']} s, p99 {report['p99']} s, max {report['max']} s "
               "(goal p50 <= 2 s, p99 <= 5 s)", flush=True)
+        print(f"median phases: {report['phases_p50']}", flush=True)
     assert not failures, failures
 
 

@@ -338,6 +338,16 @@ def _wait(predicate, deadline=120, step=0.5):
     return False
 
 
+def _diag(cluster):
+    """Key dirs of the peer and the primary's multimaster log lines, for failures."""
+    lines = [
+        line for line in cluster.log_files(cluster.primary)[0].read_text(errors="replace")
+        .splitlines() if "multimaster" in line or "reactor" in line.lower()
+    ]
+    return {"peer_keys": {k: sorted(v) for k, v in cluster.keys(cluster.peers[0]).items()},
+            "primary_log": lines[-30:]}
+
+
 def _master_sls_pillar(cluster):
     return json.dumps({"multimaster": {"master": {
         "config": str(cluster.primary.config_file),
@@ -371,6 +381,14 @@ def test_master_sls_installs_reactor(frr):
                    f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
     ok, data = _all_ok(ret)
     assert ok and _changes(ret) == {}, data
+    # the optional periodic full sync, predicted only
+    scheduled = json.loads(pillar)
+    scheduled["multimaster"]["master"]["sync_interval"] = 15
+    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master", "test=True",
+                   f"pillar={json.dumps(scheduled)}", minion_tgt=minion.id, timeout=180)
+    data = _state_returns(ret)
+    diff = str(data["file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin)])
+    assert "multimaster-sync" in diff and "function: multimaster.sync" in diff, data
     # load the reactor (the formula's restart command is a no-op here)
     frr.restart(frr.primary)
     for m in frr.all_minions:
@@ -385,13 +403,13 @@ def test_accept_on_primary_alone_reaches_the_peer(frr):
         ret = frr.salt_key(frr.primary, "-a", "frr-new1", "-y")
         assert ret.returncode == 0, ret
         # no manual step: the reactor replicates the key, the minion authenticates
-        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"])
+        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"]), _diag(frr)
         assert "frr-new1" not in frr.keys(frr.peers[0])["minions_pre"]
-        assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120)
+        assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120), _diag(frr)
         # deleting it on the primary reaches the peer too
         ret = frr.salt_key(frr.primary, "-d", "frr-new1", "-y")
         assert ret.returncode == 0, ret
-        assert _wait(lambda: "frr-new1" not in frr.keys(frr.peers[0])["minions"])
+        assert _wait(lambda: "frr-new1" not in frr.keys(frr.peers[0])["minions"]), _diag(frr)
     finally:
         new.terminate()
 
@@ -407,7 +425,7 @@ def test_key_burst_is_coalesced(frr):
         ret = frr.salt_key(frr.primary, "-A", "-y")
         assert ret.returncode == 0, ret
         for mid in ids:
-            assert _wait(lambda mid=mid: mid in frr.keys(frr.peers[0])["minions"]), mid
+            assert _wait(lambda mid=mid: mid in frr.keys(frr.peers[0])["minions"]), _diag(frr)
         for mid in ids:
             assert frr.wait_ping(frr.peers[0], mid, deadline=120), mid
         # a few seconds for any queued round to finish, then count the syncs

@@ -95,8 +95,20 @@ def test_key_event_runs_one_sync(tmp_path):
 
 
 def test_key_event_reports_failed_sync(tmp_path):
-    mod = _runner(tmp_path, lambda only: {"m02": {"result": False}, "retcode": 1})
-    assert mod.key_event(act="delete", window=0)["result"] is False
+    calls = []
+    mod = _runner(tmp_path, lambda only: calls.append(only) or {"m02": {"result": False},
+                                                                 "retcode": 1})
+    ret = mod.key_event(act="delete", window=0, retries=2, retry_delay=0)
+    assert ret["result"] is False and ret["syncs"] == 3 and len(calls) == 3
+
+
+def test_key_event_retries_a_transient_failure(tmp_path):
+    answers = iter([{"m02": {"result": False, "error": "no return"}, "retcode": 1},
+                    {"m02": {"result": True}}])
+    mod = _runner(tmp_path, lambda only: next(answers))
+    ret = mod.key_event(act="accepted", window=0, retry_delay=0)
+    assert ret == {"queued": False, "syncs": 2, "result": True,
+                   "last": {"m02": {"result": True}}}
 
 
 def test_key_event_burst_is_coalesced(tmp_path):
@@ -146,5 +158,8 @@ def test_key_event_event_after_release_is_not_lost(tmp_path):
 def test_key_event_window_absorbs_burst(tmp_path):
     calls = []
     mod = _runner(tmp_path, lambda only: calls.append(time.time()) or {})
-    with patch.object(mod.time, "sleep", lambda s: None):
+    slept = []
+    with patch.object(mod.time, "sleep", slept.append):
         assert mod.key_event(act="accepted")["syncs"] == 1
+        assert mod.key_event(act="accepted", window=0.5)["syncs"] == 1
+    assert slept == [0.5]
