@@ -173,7 +173,10 @@ def validate(masters, settings, default_port=DEFAULT_MASTER_PORT, resolved=None)
     HA settings.  Nothing is normalised here: see :func:`desired`.
     """
     errors = []
-    if not isinstance(masters, (list, tuple)):
+    if masters is None:
+        errors.append("no masters given (argument masters or pillar multimaster:masters)")
+        unique = []
+    elif not isinstance(masters, (list, tuple)):
         errors.append(
             f"masters must be a list of master addresses, not {type(masters).__name__} "
             f"({masters!r})"

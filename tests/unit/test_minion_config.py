@@ -91,6 +91,7 @@ def test_validate_ok():
     "masters,settings,fragment",
     [
         ("m1", {}, "masters must be a list"),
+        (None, {}, "no masters given"),
         ({"m1": 1}, {}, "masters must be a list"),
         ([], {}, "masters is empty"),
         (["m1", "bad:port"], {}, "non-numeric port"),
