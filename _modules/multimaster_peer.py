@@ -188,6 +188,7 @@ class _Applier:
         self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
         self.backed_up = False
         self._minion_key = None
+        self.batch = fsutil.Batch()
 
     def minion_key(self):
         if self._minion_key is None:
@@ -208,11 +209,11 @@ class _Applier:
             raise CommandExecutionError(f"{rel}: content does not match its manifest, not written")
         self.backup(path, rel)
         fsutil.makedirs(os.path.dirname(path))
-        fsutil.atomic_write(path, data, mode=mode)
+        self.batch.write(path, data, mode=mode)
 
     def remove(self, path, rel):
         self.backup(path, rel)
-        fsutil.remove(path)
+        self.batch.remove(path)
 
 
 def _op_bytes(app, op, purpose):
@@ -244,23 +245,59 @@ def _apply_minion_keys(app, ops):
             report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError) as exc:
             report["errors"].append(f"{rel}: {exc}")
-    # ids received from the primary: a later removal there is a deletion
-    history = set(_read_json(_history_path(), []))
-    history |= {r.split("/", 1)[1] for r in report["updated"]}
-    history -= {r.split("/", 1)[1] for r in report["removed"]} - _history_keep(ops)
-    fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(history)), mode=0o600)
     return report
 
 
-def _history_keep(ops):
-    """Ids still written in some state by this sync (a moved key stays known)."""
-    return {op["id"] for op in ops if op["op"] == replicate.WRITE}
+def _update_history(ops, report):
+    """
+    Remember the ids received from the primary, so that a later removal there
+    reads as a deletion, and a key found only here as a conflict.
+    """
+    written = {op["id"] for op in ops if op["op"] == replicate.WRITE}
+    history = set(_read_json(_history_path(), []))
+    history |= {r.split("/", 1)[1] for r in report["updated"]}
+    history -= {r.split("/", 1)[1] for r in report["removed"]} - written
+    fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(history)), mode=0o600)
+
+
+FETCH_THREADS = 4
+
+
+def _fetch(ops):
+    """
+    Fetch file_roots files from the primary's fileserver, point-to-point, a
+    few requests in flight at once (one file client per thread).  Return
+    ``{id(op): path in the minion's file cache or an exception}``.
+    """
+    import concurrent.futures  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+
+    local = threading.local()
+    clients = []
+
+    def one(op):
+        if not hasattr(local, "client"):
+            local.client = salt.fileclient.get_file_client(__opts__)
+            clients.append(local.client)
+        try:
+            cached = local.client.cache_file(f"salt://{op['rel']}", op["env"])
+            return cached or CommandExecutionError("not served by the primary's fileserver")
+        except Exception as exc:  # pylint: disable=broad-except
+            return CommandExecutionError(f"fetch failed: {exc}")
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=FETCH_THREADS) as pool:
+            return dict(zip((id(op) for op in ops), pool.map(one, ops)))
+    finally:
+        for client in clients:
+            client.destroy()
 
 
 def _apply_tree(app, cat, ops):
     report = replicate.empty_report()
     roots = app.mopts.get(cat) or {}
-    client = None
+    fetched = _fetch([op for op in ops if op["op"] == replicate.WRITE
+                      and "sealed" not in op and "raw" not in op and op.get("env") in roots])
     for op in ops:
         rel = f"{op['env']}:{op['rel']}"
         try:
@@ -278,19 +315,15 @@ def _apply_tree(app, cat, ops):
             if "sealed" in op or "raw" in op:
                 data = _op_bytes(app, op, f"{cat}/{op['env']}/{op['rel']}")
             else:
-                if client is None:
-                    client = salt.fileclient.get_file_client(__opts__)
-                cached = client.cache_file(f"salt://{op['rel']}", op["env"])
-                if not cached:
-                    raise CommandExecutionError("not served by the primary's fileserver")
+                cached = fetched[id(op)]
+                if isinstance(cached, Exception):
+                    raise cached
                 with open(cached, "rb") as fh:
                     data = fh.read()
             app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"])
             report["updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
             report["errors"].append(f"{rel}: {exc}")
-    if client is not None:
-        client.destroy()
     return report
 
 
@@ -410,6 +443,12 @@ def apply(ops, topology="shared", pull_token=None):
         else:
             ret[cat] = replicate.empty_report()
             ret[cat]["errors"].append(f"unknown category: {cat!r}")
+    try:
+        app.batch.commit()
+    except OSError as exc:
+        raise CommandExecutionError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+    if "minion_keys" in ops:
+        _update_history(ops["minion_keys"], ret["minion_keys"])
     changed_daemon_config = any(
         ret.get(c, {}).get("updated") for c in ("master_keys", "master_config")
     )

@@ -73,6 +73,69 @@ def atomic_write(path, data, mode=0o644):
     _fsync_dir(directory)
 
 
+class Batch:
+    """
+    Many atomic writes and removals, made durable with one ``sync``.
+
+    ``write`` puts the content in a temporary file beside its destination;
+    ``commit`` flushes every staged file to disk at once, then renames each
+    over its destination, then removes, then fsyncs the directories touched.
+    A reader never sees a half-written file, and a crash before the renames
+    leaves every destination as it was.  Per-file fsync costs a disk flush per
+    file; a sync of 20,000 keys would spend minutes on it.
+    """
+
+    def __init__(self):
+        self.staged = []
+        self.removals = []
+
+    def write(self, path, data, mode=0o644):
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".mm-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), mode)
+                fh.write(data)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        self.staged.append((tmp, path))
+
+    def remove(self, path):
+        self.removals.append(path)
+
+    def commit(self):
+        dirs = set()
+        try:
+            if self.staged:
+                os.sync()
+            while self.staged:
+                tmp, path = self.staged.pop(0)
+                os.rename(tmp, path)
+                dirs.add(os.path.dirname(path))
+        finally:
+            self.abort()
+        for path in self.removals:
+            if remove(path):
+                dirs.add(os.path.dirname(path))
+        self.removals = []
+        for directory in dirs:
+            _fsync_dir(directory)
+
+    def abort(self):
+        for tmp, _ in self.staged:
+            _unlink(tmp)
+        self.staged = []
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _fsync_dir(directory):
     try:
         fd = os.open(directory, os.O_RDONLY)

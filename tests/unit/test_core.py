@@ -115,3 +115,29 @@ def test_atomic_write_modes_and_safe_join(tmp_path):
     (tmp_path / "out").symlink_to("/tmp")
     with pytest.raises(fsutil.PathError):
         fsutil.safe_join(str(tmp_path), "out/x")
+
+
+def test_batch_commits_all_writes_then_removals(tmp_path):
+    keep = tmp_path / "old"
+    keep.write_text("old")
+    gone = tmp_path / "gone"
+    gone.write_text("x")
+    batch = fsutil.Batch()
+    batch.write(str(keep), b"new", mode=0o600)
+    batch.write(str(tmp_path / "added"), b"added")
+    batch.remove(str(gone))
+    assert keep.read_text() == "old" and not (tmp_path / "added").exists() and gone.exists()
+    batch.commit()
+    assert keep.read_text() == "new" and stat.S_IMODE(keep.stat().st_mode) == 0o600
+    assert (tmp_path / "added").read_text() == "added" and not gone.exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".mm-")] == []
+
+
+def test_batch_abort_leaves_destinations_alone(tmp_path):
+    dest = tmp_path / "k"
+    dest.write_text("before")
+    batch = fsutil.Batch()
+    batch.write(str(dest), b"after")
+    batch.abort()
+    assert dest.read_text() == "before"
+    assert os.listdir(tmp_path) == ["k"]
