@@ -275,6 +275,18 @@ def install_extension(root):
     return site
 
 
+def find_pyspy(root):
+    """py-spy from PATH, else ``pip install --target`` it into the bench root; None if neither."""
+    found = shutil.which("py-spy")
+    if found:
+        return found
+    target = root / "tools"
+    ret = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target",
+                          str(target), "py-spy"], capture_output=True, check=False)
+    candidate = target / "bin" / "py-spy"
+    return str(candidate) if ret.returncode == 0 and candidate.exists() else None
+
+
 def quiet_salt_logging():
     try:
         import salt._logging.impl  # pylint: disable=import-outside-toplevel
@@ -343,6 +355,7 @@ class Bench:
         self.base = pathlib.Path(self.primary.config["file_roots"]["base"][0])
         self.targets = {p: root / "rsync" / p for p in self.peer_ids}
         self.res = {"runs": {}, "notes": []}
+        self.pyspy = find_pyspy(root)
 
     # ----- commands ---------------------------------------------------------
     def salt_run(self, *args, check=True):
@@ -350,8 +363,8 @@ class Bench:
                      env=self.env, check=check)
 
     def salt(self, tgt, *args, check=True):
-        return timed([str(BIN / "salt"), "-c", self.conf_dir, tgt, *args, "--out=json",
-                      "--static"], env=self.env, check=check)
+        return timed([str(BIN / "salt"), "-c", self.conf_dir, "-t", "120", tgt, *args,
+                      "--out=json", "--static"], env=self.env, check=check)
 
     def sync(self, peers, label, *extra):
         since = time.time()
@@ -425,6 +438,7 @@ class Bench:
         return secs
 
     def record(self, label, secs, **extra):
+        extra.setdefault("load1", round(os.getloadavg()[0], 1))
         self.res["runs"].setdefault(label, []).append(dict(secs=round(secs, 3), **extra))
         say(f"  {label}: {secs:.2f}s" + ("" if extra.get("ok", True) else "  (FAILED)"))
 
@@ -484,14 +498,28 @@ class Bench:
             # master dirs, rsync's target dirs are separate)
             self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
 
-        say("where the time goes")
-        self.breakdown(peer1)
-        say("what lowers the floor")
-        self.tunings()
+        phases = [("where the time goes", self.breakdown, peer1),
+                  ("what lowers the floor", self.tunings)]
         if a.profile:
-            say("profiles (cProfile of salt-run)")
-            self.profile("noop-sync", ["multimaster.sync", f"peers={peer1}"])
-            self.profile("floor", ["test.arg", "bench"])
+            phases += [
+                ("profile: no-op sync", self.profile, "noop-sync",
+                 ["multimaster.sync", f"peers={peer1}"]),
+                ("profile: 1 key + 1 file sync", self.profile_change, peer1),
+                ("profile: salt-run test.arg", self.profile, "floor", ["test.arg", "bench"]),
+            ]
+        for name, fn, *fargs in phases:
+            say(name)
+            try:
+                fn(*fargs)
+            except Exception as exc:  # pylint: disable=broad-except
+                say(f"  !! {name} failed: {exc}")
+                self.res["notes"].append(f"phase '{name}' failed: {str(exc)[:300]}")
+
+    def profile_change(self, peer):
+        pubs = sorted((self.pki / "minions").iterdir())[:3]
+        files = sorted(p for p in self.base.rglob("*.sls"))
+        self.change(pubs, files, random.Random(99), 900)
+        self.profile("change-sync", ["multimaster.sync", f"peers={peer}"])
 
     def change(self, pubs, files, rng, i):
         key = self.pki / "minions" / f"bench-new-{i:03d}"
@@ -569,6 +597,8 @@ class Bench:
             dropin.unlink(missing_ok=True)
 
     def profile(self, name, args):
+        if self.pyspy:
+            return self.profile_pyspy(name, args)
         out = self.root / f"{name}.prof"
         cmd = [sys.executable, "-m", "cProfile", "-o", str(out), str(BIN / "salt-run"),
                "-c", self.conf_dir, *args, "--out=json"]
@@ -581,6 +611,47 @@ class Bench:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"profile-{name}-{self.args.stamp}.txt").write_text(text)
         self.res.setdefault("profiles", {})[name] = self.profile_summary(stats)
+
+    def profile_pyspy(self, name, args, rate=100):
+        """py-spy record of a whole salt-run: wall clock (idle included), every thread."""
+        out = self.root / f"{name}.pyspy.txt"
+        cmd = [self.pyspy, "record", "--idle", "--threads", "--subprocesses", "-r", str(rate),
+               "-f", "raw", "-o", str(out), "--", sys.executable, str(BIN / "salt-run"),
+               "-c", self.conf_dir, *args, "--out=json"]
+        secs, _ = timed(cmd, env=self.env, check=False)
+        self.record(f"py-spy run: salt-run {' '.join(args)}", secs)
+        incl, threads = {}, {}
+        for line in out.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames = stack.split(";")
+            thread = frames[0].split(" (")[0] if frames else "?"
+            threads[thread] = threads.get(thread, 0) + int(count)
+            seen = set()
+            for frame in frames[1:]:
+                func = frame.split(" (")[0]
+                where = frame.split(" (", 1)[1].split(":")[0] if " (" in frame else ""
+                key = f"{where.rsplit('/', 1)[-1]}:{func}"
+                if key not in seen:
+                    seen.add(key)
+                    incl[key] = incl.get(key, 0) + int(count)
+        wanted = ("multimaster.py:", "manifest.py:", "replicate.py:", "client/__init__.py",
+                  "__init__.py:LocalClient", "job.py:", "local_cache.py:", "minions.py:",
+                  "key.py:", "localfs_key.py:", "mixins.py:", "runner.py:", "event.py:",
+                  "_base.py:result", "thread.py:", "run.py:")
+        top = sorted(((k, v / rate) for k, v in incl.items()
+                      if any(w in k for w in wanted) or k.startswith(("__init__.py:cmd",
+                                                                      "__init__.py:get_",
+                                                                      "__init__.py:run_job",
+                                                                      "__init__.py:pub",
+                                                                      "__init__.py:returns_for"))),
+                     key=lambda kv: -kv[1])[:45]
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, RESULTS / f"pyspy-{name}-{self.args.stamp}.txt")
+        self.res.setdefault("profiles", {})[name] = dict(
+            [("threads (samples/rate, s)", {t: round(c / rate, 2) for t, c in threads.items()})]
+            + [(k, round(v, 2)) for k, v in top])
 
     @staticmethod
     def profile_summary(stats):
@@ -630,6 +701,10 @@ class Bench:
         add(f"data: {self.res['keys']} accepted keys, {self.res['files']} files "
             f"({self.res['bytes'] / 1e6:.1f} MB) in file_roots base; {n} peer(s); "
             f"median of {args.repeat} where repeated; every figure a whole command")
+        loads = [r["load1"] for runs in self.res["runs"].values() for r in runs]
+        add(f"machine: {os.cpu_count()} CPUs, 1-min load average during the runs "
+            f"{min(loads):.1f} .. {max(loads):.1f} (other work on the machine inflates every "
+            "figure; compare ratios measured in the same run)")
         add(f"Salt floor (bare salt-run test.arg, same keys; median of the runs at start and end): "
             f"{fmt(floor)}")
         add("")
@@ -678,9 +753,13 @@ class Bench:
             add(f"  - {note}")
         for name, prof in self.res.get("profiles", {}).items():
             add("")
-            add(f"cProfile {name} (cumulative s; threads other than main not profiled):")
+            add(f"profile {name} (inclusive seconds; py-spy: wall clock summed over threads, "
+                "cProfile: main thread only):")
             for func, secs in prof.items():
-                add(f"  {func:<58} {secs:>8.3f}")
+                if isinstance(secs, dict):
+                    add(f"  {func}: {json.dumps(secs)}")
+                else:
+                    add(f"  {func:<58} {secs:>8.3f}")
         text = "\n".join(lines)
         print("\n" + text, flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
