@@ -31,6 +31,11 @@ from tests.support.cluster import master_key_paths
 
 pytestmark = pytest.mark.daemons
 
+# The repository is the file_roots root: keep the virtualenv, git data and
+# caches out of the file server (listing them makes every sync slow).
+IGNORE = [r"(^|/)\.venv(/|$)", r"(^|/)\.git(/|$)", r"(^|/)__pycache__(/|$)",
+          r"(^|/)\.pytest_cache(/|$)", r"(^|/)build(/|$)"]
+
 
 def _new_pub():
     key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
@@ -79,6 +84,7 @@ def frm(cluster_factory, clean_environ, mm_root):
         primary_overrides={
             "file_roots": {"base": [str(REPO), str(top_root)]},
             "pillar_roots": {"base": [str(pillar_root)]},
+            "file_ignore_regex": IGNORE,
         },
     )
     minion = cluster.minions[0]
@@ -131,10 +137,11 @@ def test_stale_setup(frm):
     """
     minion = frm.minions[0]
     dropin, cached = _minion_paths(minion)
-    ret = frm.salt(frm.primary, "saltutil.sync_all", minion_tgt=minion.id)
+    ret = frm.salt(frm.primary, "saltutil.sync_all", minion_tgt=minion.id, timeout=240)
     assert ret.returncode == 0, ret
     assert "states.multimaster" in ret.data["states"], ret.data
-    ret = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id)
+    ret = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id,
+                   timeout=240)
     assert ret.returncode == 0, ret
     ret = frm.salt(frm.primary, "pillar.get", "multimaster:minion", "unmask=True",
                    minion_tgt=minion.id)
@@ -303,7 +310,7 @@ def frr(cluster_factory):
         peers=1,
         minions=1,
         accept_on_peers=False,
-        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+        primary_overrides={"file_roots": {"base": [str(REPO)]}, "file_ignore_regex": IGNORE},
     )
     # the contract's primary configuration: who the peers are
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
