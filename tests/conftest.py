@@ -67,6 +67,23 @@ def salt_factories_config(mm_root, pip_site):
 
 
 @pytest.fixture(scope="session")
+def repo_tree(mm_root):
+    """
+    This repository as a user clones it (no .venv, .git or caches), to serve
+    as a file_roots root: a root holding a virtualenv makes every fileserver
+    listing walk thousands of files.
+    """
+    dest = mm_root / "repo"
+    shutil.copytree(
+        REPO,
+        dest,
+        ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "*.pyc", "build",
+                                      "*.egg-info", ".pytest_cache", "results"),
+    )
+    return dest
+
+
+@pytest.fixture(scope="session")
 def clean_environ():
     """The environment without the pip-installed extension (file_roots path)."""
     env = dict(os.environ)

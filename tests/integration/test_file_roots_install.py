@@ -6,19 +6,17 @@ on the master make the extension load, and ``salt.multimaster`` is an SLS.
 
 import pytest
 
-from tests.conftest import REPO
-
 pytestmark = pytest.mark.daemons
 
 
 @pytest.fixture(scope="module")
-def cluster(cluster_factory, clean_environ):
+def cluster(cluster_factory, clean_environ, repo_tree):
     cluster = cluster_factory(
         "fro",
         peers=0,
         minions=1,
         environ=clean_environ,
-        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+        primary_overrides={"file_roots": {"base": [str(repo_tree)]}},
     )
     cluster.start()
     yield cluster
@@ -35,7 +33,7 @@ def test_not_loaded_before_sync(cluster):
 
 def test_sync_all_loads_module_and_states(cluster):
     minion = cluster.minions[0].id
-    ret = cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion)
+    ret = cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion, timeout=180)
     assert ret.returncode == 0, ret
     assert "modules.multimaster" in ret.data["modules"]
     assert "states.multimaster" in ret.data["states"]
