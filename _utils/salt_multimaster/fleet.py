@@ -136,7 +136,9 @@ def render_rows(report):
 
     def put(label, line):
         key = label.ljust(width)
-        while key in rows or key.strip() == "retcode":
+        if key.strip() == "retcode":  # the exit code row is salt-run's
+            key = key.rstrip() + " (minion)"
+        while key in rows:
             key += " "
         rows[key] = line
 
@@ -152,7 +154,7 @@ def render_rows(report):
     for minion_id, entry in report["minions"].items():
         labels = _flagged(entry["findings"])
         status = "ok  " if entry["ok"] else "FAIL"
-        put(minion_id, "{} {}".format(status, " ".join(labels) or "-").rstrip())
+        put(minion_id, "{} {}".format(status, " ".join(labels)).rstrip())
     for minion_id in report["missing"]:
         put(minion_id, "NO RETURN (targeted, did not return through this master)")
     if report["totals"]:

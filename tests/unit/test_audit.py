@@ -1,0 +1,614 @@
+"""
+Unit tests of the audit: the checks in ``salt_multimaster.audit``, the fleet
+report in ``salt_multimaster.fleet``, and the loader functions
+``multimaster.audit`` (execution module) and ``multimaster.audit`` (runner)
+with their dunders patched.  No daemons.
+"""
+
+import importlib.util
+import pathlib
+from unittest import mock
+
+import pytest
+import salt.utils.crypt
+import salt.version
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from salt.exceptions import SaltInvocationError
+
+import salt_multimaster.audit as audit
+import salt_multimaster.fleet as fleet
+
+REPO = pathlib.Path(__file__).resolve().parent.parent.parent
+VERSION = salt.version.__version__
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, REPO / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for dunder in ("__opts__", "__pillar__", "__context__", "__salt__"):
+        setattr(module, dunder, {})
+    return module
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return _load("_modules/multimaster.py", "mm_module_under_test")
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return _load("_runners/multimaster.py", "mm_runner_under_test")
+
+
+def _pub_pem():
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def fake_resolver(table):
+    def resolve(name):
+        if name not in table:
+            raise OSError("Name or service not known")
+        return set(table[name])
+
+    return resolve
+
+
+# ----- master entries ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    "entry,expected",
+    [
+        ("master01", ("master01", 4506)),
+        ("Master01.Example.COM.", ("master01.example.com", 4506)),
+        ("10.0.0.1:4506", ("10.0.0.1", 4506)),
+        ("10.0.0.1:5506", ("10.0.0.1", 5506)),
+        ("[::1]:4506", ("::1", 4506)),
+        ("fe80:0:0::1", ("fe80::1", 4506)),
+    ],
+)
+def test_parse_master(entry, expected):
+    assert audit.parse_master(entry) == expected
+
+
+def test_split_masters():
+    assert audit.split_masters("a, b,,c") == ["a", "b", "c"]
+    assert audit.split_masters(["a", " b "]) == ["a", "b"]
+    assert audit.split_masters(None) is None
+    assert audit.master_entries("salt") == ["salt"]
+    assert audit.master_entries(["a", ""]) == ["a"]
+
+
+def test_resolve_hosts_gives_up_on_unknown_names():
+    resolved = audit.resolve_hosts(
+        ["10.0.0.1", "m1", "nope"], resolver=fake_resolver({"m1": ["10.0.0.1"]})
+    )
+    assert resolved == {"10.0.0.1": {"10.0.0.1"}, "m1": {"10.0.0.1"}, "nope": set()}
+
+
+# ----- master_list ------------------------------------------------------------------
+def test_master_list_right():
+    resolved = {"m1": {"10.0.0.1"}, "10.0.0.1": {"10.0.0.1"}, "m2": {"10.0.0.2"}}
+    # the same masters under other spellings (address, explicit default port)
+    assert audit.check_master_list(["10.0.0.1", "m2:4506"], ["m1", "m2"], 4506, resolved) == []
+
+
+def test_master_list_missing_and_unexpected():
+    ret = audit.check_master_list(["m1", "m3"], ["m1", "m2"], 4506, {})
+    assert [(f["check"], f["severity"]) for f in ret] == [
+        ("master_list", "error"),
+        ("master_list", "error"),
+    ]
+    assert ret[0]["message"] == "Expected master(s) missing from the minion configuration: m2"
+    assert ret[1]["message"] == "Configured master(s) not in the expected list: m3"
+
+
+def test_master_list_empty_and_unknown():
+    assert audit.check_master_list([], ["m1"])[0]["severity"] == "error"
+    assert audit.check_master_list(["m1"], None)[0]["severity"] == "info"
+
+
+def test_master_list_port_matters():
+    ret = audit.check_master_list(["m1:5506"], ["m1"], 4506, {})
+    assert len(ret) == 2
+
+
+# ----- duplicate_master ---------------------------------------------------------------
+def test_duplicate_master_spellings():
+    resolved = audit.resolve_hosts(
+        ["master01", "10.0.0.1", "10.0.0.2"],
+        resolver=fake_resolver({"master01": ["10.0.0.1"]}),
+    )
+    masters = ["master01", "10.0.0.2", "10.0.0.1:4506", "10.0.0.2:4506"]
+    ret = audit.check_duplicate_master(masters, 4506, resolved)
+    assert ret == [
+        {
+            "check": "duplicate_master",
+            "severity": "error",
+            "message": "The same master is configured 2 times: 'master01', "
+            "'10.0.0.1:4506' (all reach 10.0.0.1:4506); every job from it returns 2 times.",
+            "remedy": "Keep one entry for this master in 'master' (remove "
+            "'10.0.0.1:4506') and restart salt-minion.",
+        },
+        {
+            "check": "duplicate_master",
+            "severity": "error",
+            "message": "The same master is configured 2 times: '10.0.0.2', "
+            "'10.0.0.2:4506' (all reach 10.0.0.2:4506); every job from it returns 2 times.",
+            "remedy": "Keep one entry for this master in 'master' (remove "
+            "'10.0.0.2:4506') and restart salt-minion.",
+        },
+    ]
+
+
+def test_duplicate_master_same_name_twice():
+    # seed 002: centos02 listed twice
+    ret = audit.check_duplicate_master(["centos02", "centos02", "xxx"], 4506, {})
+    assert len(ret) == 1 and "2 times" in ret[0]["message"]
+
+
+def test_no_duplicate_for_other_port_or_host():
+    resolved = {"a": {"10.0.0.1"}, "b": {"10.0.0.2"}}
+    assert audit.check_duplicate_master(["a", "b", "a:5506"], 4506, resolved) == []
+
+
+# ----- master_reachable ---------------------------------------------------------------
+def test_master_reachable_per_master():
+    calls = []
+
+    def connect(host, port, timeout):
+        calls.append((host, port, timeout))
+        return None if host == "10.0.0.1" else "Connection refused"
+
+    ret = audit.check_master_reachable(
+        ["10.0.0.1", "10.0.0.2:5506", "10.0.0.1:4506"], 4505, 4506, 0.5, connect
+    )
+    assert sorted(calls) == [
+        ("10.0.0.1", 4505, 0.5),
+        ("10.0.0.1", 4506, 0.5),
+        ("10.0.0.2", 4505, 0.5),
+        ("10.0.0.2", 5506, 0.5),
+    ]
+    assert ret == [
+        {
+            "check": "master_reachable",
+            "severity": "error",
+            "message": "Master 10.0.0.2:5506 is not reachable: publish port 4505 "
+            "(Connection refused); request port 5506 (Connection refused).",
+            "remedy": "Start salt-master on 10.0.0.2:5506 or open TCP ports 4505/5506 "
+            "from this minion (firewall, interface, publish_port/ret_port); remove the "
+            "entry if the master is retired.",
+        }
+    ]
+
+
+def test_master_reachable_real_refused_port():
+    ret = audit.check_master_reachable(["127.0.0.1:1"], 1, 4506, 0.5)
+    assert len(ret) == 1 and "not reachable" in ret[0]["message"]
+
+
+# ----- master_pubkey ------------------------------------------------------------------
+def test_master_pubkey(tmp_path):
+    path = tmp_path / "minion_master.pub"
+    path.write_bytes(_pub_pem())
+    finger = salt.utils.crypt.pem_finger(str(path), sum_type="sha256")
+    assert audit.key_finger(str(path), "sha256") == finger
+    assert audit.check_master_pubkey(str(path), finger, finger) == []
+    assert audit.check_master_pubkey(str(path), finger, finger.upper()) == []
+    stale = audit.check_master_pubkey(str(path), finger, "aa:bb")
+    assert [f["severity"] for f in stale] == ["error"]
+    assert "expected aa:bb" in stale[0]["message"]
+    assert f"remove {path}" in stale[0]["remedy"]
+    missing = audit.check_master_pubkey(str(tmp_path / "nope.pub"), "", finger)
+    assert [f["severity"] for f in missing] == ["error"]
+    assert "missing" in missing[0]["message"]
+    assert audit.check_master_pubkey(str(path), finger, None)[0]["severity"] == "info"
+
+
+def test_master_key_path():
+    opts = {"pki_dir": "/p"}
+    assert audit.master_key_path(opts) == "/p/minion_master.pub"
+    assert audit.master_key_path(opts, "signed") == "/p/master_sign.pub"
+    opts["master_sign_key_name"] = "sign"
+    assert audit.master_key_path(opts, "signed") == "/p/sign.pub"
+
+
+def test_master_pubkey_signed_missing_remedy():
+    ret = audit.check_master_pubkey("/p/master_sign.pub", "", "aa", "signed")
+    assert "master_sign.pub" in ret[0]["remedy"]
+
+
+# ----- master_alive_interval ----------------------------------------------------------
+@pytest.mark.parametrize(
+    "opts,masters,count",
+    [
+        ({}, ["a", "b"], 1),
+        ({"master_alive_interval": 0}, ["a", "b"], 1),
+        ({"master_alive_interval": 30}, ["a", "b"], 0),
+        ({}, ["a"], 0),
+        ({"master_type": "failover"}, ["a"], 1),
+    ],
+)
+def test_master_alive_interval(opts, masters, count):
+    ret = audit.check_master_alive_interval(opts, masters)
+    assert len(ret) == count
+    assert all(f["severity"] == "warning" for f in ret)
+
+
+# ----- failover_settings --------------------------------------------------------------
+def test_failover_settings():
+    two = ["a", "b"]
+    check = audit.check_failover_settings
+    assert check({}, two, False) == []
+    assert check({"master_type": "failover", "verify_master_pubkey_sign": True}, two, True) == []
+    ret = check({"master_type": "failover"}, two, False)
+    assert [f["severity"] for f in ret] == ["warning"]
+    assert "verify_master_pubkey_sign is off" in ret[0]["message"]
+    ret = check({"master_type": "failover", "verify_master_pubkey_sign": True}, two, False)
+    assert [f["severity"] for f in ret] == ["error"]
+    assert "master_sign.pub is missing" in ret[0]["message"]
+    ret = check({"verify_master_pubkey_sign": True}, two, True)
+    assert [f["severity"] for f in ret] == ["warning"]
+    assert "master_type is str" in ret[0]["message"]
+    ret = check({"master_type": "failover", "verify_master_pubkey_sign": True}, ["a"], True)
+    assert [f["severity"] for f in ret] == ["warning"]
+
+
+# ----- ipc_tcp_ports ------------------------------------------------------------------
+def test_ipc_tcp_ports():
+    lists_ok = lambda key: True  # noqa: E731
+    two = ["a", "b"]
+    check = audit.check_ipc_tcp_ports
+    assert check({"ipc_mode": "ipc", "tcp_pub_port": [1]}, two, lists_ok) == []
+    assert check({"ipc_mode": "tcp", "tcp_pub_port": [4510, 4512],
+                  "tcp_pull_port": [4511, 4513]}, two, lists_ok) == []
+    assert check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4511},
+                 two, lists_ok) == []
+    ret = check({"ipc_mode": "tcp", "tcp_pub_port": [4510],
+                 "tcp_pull_port": [4511, 4510]}, two, lists_ok)
+    assert [f["message"] for f in ret] == [
+        "ipc_mode is tcp and tcp_pub_port lists 1 port(s) for 2 master(s).",
+        "ipc_mode is tcp and port(s) 4510 are used more than once in "
+        "tcp_pub_port/tcp_pull_port.",
+    ]
+    ret = check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4510},
+                two, lists_ok)
+    assert len(ret) == 1 and "4510" in ret[0]["message"]
+
+
+def test_ipc_tcp_port_lists_on_a_salt_that_takes_one_port():
+    # Salt 3008 types tcp_pub_port as int: a list stops salt-minion from starting
+    assert audit.ports_list_supported("tcp_pub_port") is False
+    ret = audit.check_ipc_tcp_ports(
+        {"ipc_mode": "tcp", "tcp_pub_port": [4510, 4512], "tcp_pull_port": 4511}, ["a", "b"]
+    )
+    assert [f["severity"] for f in ret] == ["error"]
+    assert "tcp_pub_port is a list" in ret[0]["message"]
+
+
+# ----- version_skew -------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "minion,master,severities",
+    [
+        ("3008.3", "3008.3", []),
+        ("3008.1", "3008.3", []),
+        ("3008.3", "3008.1", ["error"]),
+        ("3008.3", "3007.1", ["error"]),
+        ("3007.1", "3008.3", ["warning"]),
+        ("2015.5.11", "2018.3.2", ["warning"]),  # seed 004
+        ("2018.3.2", "2018.3.4", []),
+        ("2019.2.0", "3000", ["warning"]),
+    ],
+)
+def test_version_skew(minion, master, severities):
+    ret = audit.check_version_skew(minion, {"m1": master})
+    assert [f["severity"] for f in ret] == severities
+    assert all(f["check"] == "version_skew" and f["remedy"] for f in ret)
+
+
+def test_version_skew_unknown_and_unparsable():
+    assert [f["severity"] for f in audit.check_version_skew("3008.3", {})] == ["info"]
+    assert audit.check_version_skew("3008.3", {"m": "banana"})[0]["severity"] == "warning"
+
+
+def test_master_version_map():
+    assert audit.master_version_map(None) == {}
+    assert audit.master_version_map("3008.3") == {"(all)": "3008.3"}
+    assert audit.master_version_map(3008.3) == {"(all)": "3008.3"}
+    assert audit.master_version_map("3008.3,3007.1") == {"#1": "3008.3", "#2": "3007.1"}
+    assert audit.master_version_map({"m1": "3008.3"}) == {"m1": "3008.3"}
+
+
+# ----- duplicate_minion_process -------------------------------------------------------
+def _ps(conf_dir="/etc/salt/x"):
+    """A minion daemon (pid 100), its process manager and a job process."""
+    return [
+        (1, 0, ["/sbin/init"], "/"),
+        (100, 1, ["/usr/bin/python3", "/usr/bin/salt-minion", f"--config-dir={conf_dir}"], "/"),
+        (101, 100, [f"/usr/bin/python3 /usr/bin/salt-minion --config-dir={conf_dir} "
+                    "MultiMinionProcessManager"], "/"),
+        (102, 100, [f"/usr/bin/python3 /usr/bin/salt-minion --config-dir={conf_dir} "
+                    "ProcessPayload(jid=1)"], "/"),
+        (200, 1, ["/usr/bin/python3", "/usr/bin/salt-minion", "-c", "/other"], "/"),
+        (300, 1, ["/usr/bin/python3", "/usr/bin/salt-call", "-c", conf_dir], "/"),
+    ]
+
+
+def test_minion_config_dir():
+    cdir = audit.minion_config_dir
+    assert cdir(["/usr/bin/salt-minion"]) == "/etc/salt"
+    assert cdir(["/usr/bin/salt-minion", "-d", "-c", "/srv/c"]) == "/srv/c"
+    assert cdir(["salt-minion", "-c/srv/c"]) == "/srv/c"
+    assert cdir(["salt-minion", "--config-dir", "c"], cwd="/srv") == "/srv/c"
+    assert cdir(["/usr/bin/python3", "/tmp/scripts/cli_salt_minion.py",
+                 "--config-dir=/srv/c"]) == "/srv/c"
+    # seed 002: a vendor package's pg-salt-minion
+    assert cdir(["/home/q/bin/pg-salt-minion -c /home/q/etc -d"]) == "/home/q/etc"
+    assert cdir(["/usr/bin/salt-call", "-c", "/srv/c"]) is None
+    assert cdir(["vim", "salt-minion.conf"]) is None
+
+
+def test_one_daemon_with_children_is_no_duplicate():
+    processes = _ps()
+    assert audit.minion_daemons("/etc/salt/x/minion", processes) == [100]
+    assert audit.check_duplicate_minion_process("/etc/salt/x/minion", processes) == []
+
+
+def test_two_daemons_for_one_config():
+    processes = _ps() + [
+        (400, 1, ["/usr/bin/python3", "/usr/bin/salt-minion", "-c", "/etc/salt/x", "-d"], "/"),
+        (401, 400, ["/usr/bin/python3 /usr/bin/salt-minion -c /etc/salt/x -d Manager"], "/"),
+    ]
+    ret = audit.check_duplicate_minion_process("/etc/salt/x/minion", processes)
+    assert [(f["check"], f["severity"]) for f in ret] == [("duplicate_minion_process", "error")]
+    assert "PIDs 100, 400" in ret[0]["message"]
+    assert "400" in ret[0]["remedy"]
+
+
+def test_list_processes_sees_this_process():
+    import os  # pylint: disable=import-outside-toplevel
+
+    pids = {pid: ppid for pid, ppid, _, _ in audit.list_processes()}
+    assert pids[os.getpid()] == os.getppid()
+
+
+# ----- the whole audit ------------------------------------------------------------------
+@pytest.fixture
+def minion_tree(tmp_path):
+    """A minion config dir with a cached master key."""
+    conf_dir = tmp_path / "conf"
+    pki = tmp_path / "pki"
+    (conf_dir / "minion.d").mkdir(parents=True)
+    pki.mkdir()
+    (pki / "minion_master.pub").write_bytes(_pub_pem())
+    finger = salt.utils.crypt.pem_finger(str(pki / "minion_master.pub"), sum_type="sha256")
+    (conf_dir / "minion").write_text(
+        "id: m1\n"
+        "master: [10.0.0.1, 10.0.0.2]\n"
+        f"pki_dir: {pki}\n"
+        f"cachedir: {tmp_path / 'cache'}\n"
+        "master_alive_interval: 30\n"
+    )
+    return {"conf_file": str(conf_dir / "minion"), "pki_dir": str(pki), "finger": finger,
+            "conf_dir": conf_dir}
+
+
+def _run(mod, tree, pillar=None, connect=None, processes=None, **kwargs):
+    opts = {"id": "m1", "conf_file": tree["conf_file"], "master": "10.0.0.1",
+            "pki_dir": tree["pki_dir"]}
+    context = {}
+    with mock.patch.dict(mod.__opts__, opts, clear=True), \
+            mock.patch.dict(mod.__pillar__, pillar or {}, clear=True), \
+            mock.patch.dict(mod.__context__, context, clear=True), \
+            mock.patch.object(audit, "tcp_connect", connect or (lambda h, p, t: None)), \
+            mock.patch.object(audit, "list_processes", lambda: processes or []):
+        ret = mod.audit(**kwargs)
+        return ret, dict(mod.__context__)
+
+
+def test_module_audit_right(mod, minion_tree):
+    ret, context = _run(mod, minion_tree, masters="10.0.0.1,10.0.0.2",
+                        master_finger=minion_tree["finger"], master_version=VERSION)
+    assert ret == {
+        "result": True,
+        "findings": [],
+        # the configured list from the config file, not __opts__["master"]
+        "masters": ["10.0.0.1", "10.0.0.2"],
+        "master_finger": minion_tree["finger"],
+        "saltversion": VERSION,
+    }
+    assert context.get("retcode", 0) == 0
+
+
+def test_module_audit_reads_expectations_from_pillar(mod, minion_tree):
+    pillar = {"multimaster": {"masters": ["10.0.0.1", "10.0.0.3"],
+                              "master_finger": minion_tree["finger"],
+                              "master_version": "3006.0", "topology": "shared"}}
+    ret, context = _run(mod, minion_tree, pillar=pillar)
+    assert ret["result"] is False
+    assert [(f["check"], f["severity"]) for f in ret["findings"]] == [
+        ("master_list", "error"),
+        ("master_list", "error"),
+        ("version_skew", "error"),
+    ]
+    assert context["retcode"] == 1
+
+
+def test_module_audit_kwargs_override_pillar(mod, minion_tree):
+    pillar = {"multimaster": {"masters": ["10.0.0.9"], "master_finger": "aa:bb"}}
+    ret, _ = _run(mod, minion_tree, pillar=pillar, masters=["10.0.0.1", "10.0.0.2"],
+                  master_finger=minion_tree["finger"], master_version=VERSION)
+    assert ret["findings"] == []
+
+
+def test_module_audit_faults(mod, minion_tree):
+    (minion_tree["conf_dir"] / "minion.d" / "fault.conf").write_text(
+        "master: [10.0.0.1, '10.0.0.1:4506', 10.0.0.2]\nmaster_alive_interval: 0\n"
+    )
+    processes = [
+        (10, 1, ["salt-minion", "-c", str(minion_tree["conf_dir"])], "/"),
+        (11, 1, ["salt-minion", "-c", str(minion_tree["conf_dir"])], "/"),
+    ]
+    ret, context = _run(
+        mod, minion_tree,
+        connect=lambda h, p, t: "Connection refused" if h == "10.0.0.2" else None,
+        processes=processes, master_finger="00:11",
+    )
+    assert ret["masters"] == ["10.0.0.1", "10.0.0.1:4506", "10.0.0.2"]
+    assert [(f["check"], f["severity"]) for f in ret["findings"]] == [
+        ("master_list", "info"),
+        ("duplicate_master", "error"),
+        ("master_reachable", "error"),
+        ("master_pubkey", "error"),
+        ("master_alive_interval", "warning"),
+        ("version_skew", "info"),
+        ("duplicate_minion_process", "error"),
+    ]
+    assert ret["result"] is False and context["retcode"] == 1
+
+
+def test_module_audit_bad_input(mod, minion_tree):
+    with pytest.raises(SaltInvocationError):
+        _run(mod, minion_tree, topology="mesh")
+    with pytest.raises(SaltInvocationError):
+        _run(mod, minion_tree, timeout="soon")
+
+
+def test_module_audit_changes_nothing(mod, minion_tree, tmp_path):
+    def snapshot():
+        return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
+                for p in sorted(tmp_path.rglob("*"))}
+
+    before = snapshot()
+    _run(mod, minion_tree)
+    assert snapshot() == before
+
+
+# ----- fleet report ---------------------------------------------------------------------
+def _minion_ret(result=True, findings=()):
+    return {"ret": {"result": result, "findings": list(findings), "masters": ["a", "b"],
+                    "master_finger": "ff", "saltversion": VERSION}, "retcode": 0, "jid": "1"}
+
+
+DUP = {"check": "duplicate_master", "severity": "error", "message": "m", "remedy": "r"}
+ALIVE = {"check": "master_alive_interval", "severity": "warning", "message": "m", "remedy": "r"}
+INFO = {"check": "master_list", "severity": "info", "message": "m", "remedy": "r"}
+
+
+def test_build_report():
+    returns = {
+        "ok1": _minion_ret(findings=[INFO]),
+        "warn1": _minion_ret(findings=[ALIVE]),
+        "bad1": _minion_ret(False, [DUP, ALIVE]),
+        "gone1": {"out": "no_return", "ret": "Minion did not return. [No response]",
+                  "retcode": 1},
+        "gone2": False,
+        "nomod": {"ret": "'multimaster.audit' is not available.", "retcode": 254},
+    }
+    expected = ["ok1", "warn1", "bad1", "gone1", "gone2", "gone3", "nomod"]
+    report = fleet.build_report("m1", "3008.3", "*", "glob", expected, returns)
+    assert report["result"] is False and report["retcode"] == 1
+    assert report["missing"] == ["gone1", "gone2", "gone3"]
+    assert report["failed"] == ["bad1", "nomod"]
+    assert report["counts"] == {"targeted": 7, "returned": 4, "ok": 2, "failed": 2,
+                                "missing": 3}
+    assert report["totals"] == {
+        "duplicate_master": {"error": 1},
+        "master_alive_interval": {"warning": 2},
+        "audit": {"error": 1},
+        "no_return": {"error": 3},
+    }
+    assert report["minions"]["bad1"] == {"ok": False, "findings": [DUP, ALIVE],
+                                         "masters": ["a", "b"], "master_finger": "ff",
+                                         "saltversion": VERSION}
+    assert report["minions"]["nomod"]["findings"][0]["check"] == "audit"
+
+
+def test_build_report_all_ok_and_empty():
+    report = fleet.build_report("m1", "3008.3", "*", "glob", ["a"], {"a": _minion_ret()})
+    assert report["result"] is True and report["retcode"] == 0 and report["totals"] == {}
+    report = fleet.build_report("m1", "3008.3", "nomatch*", "glob", [], {})
+    assert report["result"] is False and report["totals"] == {"no_minions": {"error": 1}}
+
+
+def test_render_rows():
+    returns = {"web01": _minion_ret(), "db01": _minion_ret(False, [DUP, ALIVE])}
+    report = fleet.build_report("master01", "3008.3", "*", "glob",
+                                ["web01", "db01", "retcode"], returns)
+    rows = fleet.render_rows(report)
+    assert list(rows.values()) == [
+        "master01 (Salt 3008.3), target '*' (glob): 3 targeted, 1 ok, 1 failed, "
+        "1 did not return",
+        "FAIL duplicate_master(E) master_alive_interval(W)",
+        "ok",
+        "NO RETURN (targeted, did not return through this master)",
+        "duplicate_master 1E, master_alive_interval 1W, no_return 1E",
+        1,
+    ]
+    assert list(rows)[:3] == ["master ", "db01   ", "web01  "]
+    # a minion named like a row label never clobbers the exit code
+    assert list(rows)[3] == "retcode (minion)" and list(rows)[-1] == "retcode"
+    table = fleet.render_table(report)
+    assert table.splitlines()[1] == "db01   : FAIL duplicate_master(E) master_alive_interval(W)"
+    assert table.splitlines()[-1] == "retcode: 1"
+
+
+# ----- runner ---------------------------------------------------------------------------
+class FakeClient:
+    calls = []
+
+    def __init__(self, mopts=None):
+        self.mopts = mopts
+
+    def cmd(self, tgt, fun, **kwargs):
+        FakeClient.calls.append((tgt, fun, kwargs))
+        return {"a": _minion_ret(), "b": _minion_ret(False, [DUP])}
+
+    def destroy(self):
+        pass
+
+
+class FakeCkMinions:
+    def __init__(self, opts):
+        self.opts = opts
+
+    def check_minions(self, tgt, tgt_type):
+        return {"minions": ["a", "b", "c"], "missing": []}
+
+
+def _run_runner(runner, output=None, **kwargs):
+    opts = {"id": "master01", "timeout": 5, "output": output}
+    FakeClient.calls = []
+    with mock.patch.dict(runner.__opts__, opts, clear=True), \
+            mock.patch("salt.client.LocalClient", FakeClient), \
+            mock.patch("salt.utils.minions.CkMinions", FakeCkMinions):
+        return runner.audit(**kwargs)
+
+
+def test_runner_data_with_out(runner):
+    ret = _run_runner(runner, output="json", tgt="*")
+    assert FakeClient.calls == [
+        ("*", "multimaster.audit", {"kwarg": {"master_version": {"master01": VERSION}},
+                                    "tgt_type": "glob", "timeout": 5, "full_return": True})
+    ]
+    assert ret["retcode"] == 1 and ret["missing"] == ["c"] and ret["failed"] == ["b"]
+    assert ret["master"] == "master01"
+
+
+def test_runner_table_by_default(runner):
+    ret = _run_runner(runner, masters="m1,m2", topology="signed")
+    assert set(ret) == {"outputter", "data"} and ret["outputter"] == "txt"
+    assert ret["data"]["retcode"] == 1
+    assert FakeClient.calls[0][2]["kwarg"] == {
+        "master_version": {"master01": VERSION}, "masters": "m1,m2", "topology": "signed"
+    }
+
+
+def test_runner_bad_input(runner):
+    with pytest.raises(SaltInvocationError):
+        _run_runner(runner, tgt="")
+    with pytest.raises(SaltInvocationError):
+        _run_runner(runner, timeout="soon")
