@@ -55,6 +55,84 @@ def answers(cluster, master):
     return sorted(k for k, v in data.items() if v is True), ret
 
 
+def plant_faults(cluster, minion, primary):
+    """A duplicate master entry (seed 002) and a stale cached master key."""
+    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
+
+    conf = pathlib.Path(minion.config_file)
+    text = conf.read_text()
+    dup = f"- {primary.config['interface']}:4506"
+    conf.write_text(text.replace("master:\n", f"master:\n{dup}\n", 1))
+    cluster.restart(minion)
+    pki = pathlib.Path(minion.config["pki_dir"])
+    (pki / "minion_master.pub").write_bytes(gen_keypair(2048)[1])
+
+
+def audit_and_formula(cluster, primary, peer):
+    import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+    masters = [m.config["interface"] for m in cluster.masters]
+    pillar_root = cluster.file_root(primary, kind="pillar_roots")
+    (pillar_root / "top.sls").write_text("base:\n  'demo-minion*':\n    - multimaster\n")
+    (pillar_root / "multimaster.sls").write_text(salt.utils.yaml.safe_dump({"multimaster": {
+        "masters": masters,
+        "master_finger": cluster.master_fingerprint(primary),
+        "master_pub": (cluster.pki_dir(primary) / "master.pub").read_text(),
+        "minion": {"master_alive_interval": 10},
+        "minion_restart": False,   # no service manager here: the demo restarts them
+    }}))
+    cluster.salt(primary, "saltutil.refresh_pillar", minion_tgt="demo-minion*")
+    bad = cluster.minions[0]
+    say(f"Planting two field-report faults on {bad.id}: the primary listed twice "
+        f"({masters[0]} and {masters[0]}:4506) and a stale cached minion_master.pub.")
+    plant_faults(cluster, bad, primary)
+    cluster.wait_ping(primary, bad.id)
+
+    say("The minion audit finds them (and every minion's missing master_alive_interval):")
+    ret = cluster.salt(primary, "multimaster.audit", minion_tgt=bad.id)
+    show(f"salt {bad.id} multimaster.audit", ret)
+    print(f"    exit code {ret.returncode}")
+    say("The fleet report, through the primary:")
+    table(primary)
+
+    say("Repairing: the stale key first (pillar cannot be verified with it), then the formula.")
+    show(f"salt {bad.id} multimaster.master_key_apply",
+         cluster.salt(primary, "multimaster.master_key_apply", minion_tgt=bad.id))
+    ret = cluster.salt(primary, "state.apply", "salt.multimaster",
+                       minion_tgt="demo-minion*", timeout=180)
+    changed = sorted(
+        f"{mid}: {state['__id__']}"
+        for mid, states in (ret.data or {}).items() if isinstance(states, dict)
+        for state in states.values() if isinstance(state, dict) and state.get("changes")
+    )
+    print("    $ salt 'demo-minion*' state.apply salt.multimaster")
+    print(textwrap.indent("\n".join(changed) or "(no changes)", "      "))
+    say("Restarting the minions to load their new drop-in (the formula does it by "
+        "itself where a service manager runs).")
+    for minion in cluster.minions:
+        cluster.restart(minion)
+    for minion in cluster.minions:
+        for master in cluster.masters:
+            cluster.wait_ping(master, minion.id, deadline=120)
+    say("A second state.apply has nothing to change, and the fleet audit is clean:")
+    ret = cluster.salt(primary, "state.apply", "salt.multimaster",
+                       minion_tgt="demo-minion*", timeout=180)
+    changed = [mid for mid, states in (ret.data or {}).items() if isinstance(states, dict)
+               for state in states.values() if isinstance(state, dict) and state.get("changes")]
+    print(f"    minions with changes: {sorted(set(changed)) or 'none'}")
+    table(primary)
+
+
+def table(master):
+    """``salt-run multimaster.audit`` as an operator sees it: its compact table."""
+    salt_run = os.path.join(os.path.dirname(sys.executable), "salt-run")
+    ret = subprocess.run([salt_run, "-c", str(master.config_dir), "multimaster.audit"],
+                         capture_output=True, text=True, check=False, timeout=300)
+    print("    $ salt-run multimaster.audit")
+    print(textwrap.indent(ret.stdout.rstrip() or ret.stderr.rstrip(), "      "))
+    print(f"    exit code {ret.returncode}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--keep", action="store_true", help="keep the sandbox directory")
@@ -90,8 +168,15 @@ def main():
                 event_listener=listener,
                 start_timeout=120,
             )
-            cluster = Cluster(factories, "demo", peers=1, minions=3,
-                              share_master_keys=False, accept_on_peers=False)
+            repo_copy = sandbox / "salt-multimaster"
+            shutil.copytree(REPO, repo_copy, ignore=shutil.ignore_patterns(
+                ".venv", ".git", "__pycache__", "*.pyc", "build", "*.egg-info", "results"))
+            cluster = Cluster(
+                factories, "demo", peers=1, minions=3,
+                share_master_keys=False, accept_on_peers=False,
+                primary_overrides={"file_roots": {"base": [
+                    str(sandbox / "f" / "demo-primary" / "state-tree" / "base"), str(repo_copy)]}},
+            )
             primary, peer = cluster.primary, cluster.peers[0]
             peer_minion = cluster.peer_minions[0]
             dropin = pathlib.Path(primary.config_file).parent / "master.d" / "multimaster.conf"
@@ -137,6 +222,8 @@ def main():
 
             say("A second sync has nothing to do:")
             show("salt-run multimaster.sync", cluster.salt_run(primary, "multimaster.sync"))
+
+            audit_and_formula(cluster, primary, peer)
 
             say("The primary goes down; the peer still reaches every minion:")
             primary.terminate()
