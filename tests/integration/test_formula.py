@@ -26,7 +26,6 @@ import salt_multimaster.minion_config
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from tests.conftest import REPO
 from tests.support.cluster import master_key_paths
 
 pytestmark = pytest.mark.daemons
@@ -71,7 +70,7 @@ def _rewrite_minion_masters(minion, masters):
 # cluster frm: the minion formula
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def frm(cluster_factory, clean_environ, mm_root):
+def frm(cluster_factory, clean_environ, mm_root, repo_tree):
     top_root = mm_root / "frm-top"
     pillar_root = mm_root / "frm-pillar"
     top_root.mkdir(exist_ok=True)
@@ -82,7 +81,7 @@ def frm(cluster_factory, clean_environ, mm_root):
         minions=1,
         environ=clean_environ,
         primary_overrides={
-            "file_roots": {"base": [str(REPO), str(top_root)]},
+            "file_roots": {"base": [str(repo_tree), str(top_root)]},
             "pillar_roots": {"base": [str(pillar_root)]},
             "file_ignore_regex": IGNORE,
         },
@@ -304,13 +303,13 @@ def test_invalid_pillar_fails_and_writes_nothing(frm):
 # cluster frr: salt.multimaster.master, the salt/key reactor (pip install path)
 # ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def frr(cluster_factory):
+def frr(cluster_factory, repo_tree):
     cluster = cluster_factory(
         "frr",
         peers=1,
         minions=1,
         accept_on_peers=False,
-        primary_overrides={"file_roots": {"base": [str(REPO)]}, "file_ignore_regex": IGNORE},
+        primary_overrides={"file_roots": {"base": [str(repo_tree)]}, "file_ignore_regex": IGNORE},
     )
     # the contract's primary configuration: who the peers are
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
