@@ -257,6 +257,20 @@ def write_files(base, count, size_mb, seed=1):
 # ---------------------------------------------------------------------------
 # the cluster
 # ---------------------------------------------------------------------------
+def repo_commit():
+    """HEAD of the repo measured (+ "-dirty" when the product code has local changes)."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "_runners", "_modules", "_utils")
+    return head + ("-dirty" if dirty else "")
+
+
+REPO_COMMIT = None
+
+
 def install_extension(root):
     """``pip install --no-deps --target`` of a copy of the repo (keeps the repo clean)."""
     src = root / "src"
@@ -546,8 +560,46 @@ class Bench:
             self.record("salt <peer> multimaster_peer.inventory (digests only: no-op)", secs)
         # the manifests themselves, in this process, warm hash cache (copy)
         self.in_process_manifests()
+        self.client_roundtrip(peer)
         # the return size of a no-op inventory vs a full one
         self.res["inventory_full_json_bytes"] = len(json.dumps(inv))
+
+    CLIENT_CODE = """
+import json, sys, time, salt.config, salt.client, salt.key
+opts = salt.config.master_config(sys.argv[1])
+peer, n = sys.argv[2], int(sys.argv[3])
+out = {"key listing (salt.key.Key.list_keys)": [], "LocalClient.cmd test.ping (default)": [],
+       "LocalClient.cmd test.ping (expect_minions=False)": []}
+for _ in range(n):
+    t = time.perf_counter(); salt.key.Key(opts).list_keys()
+    out["key listing (salt.key.Key.list_keys)"].append(time.perf_counter() - t)
+with salt.client.LocalClient(mopts=opts) as client:
+    client.cmd([peer], "test.ping", tgt_type="list", timeout=60, expect_minions=False)
+    for _ in range(n):
+        for label, kw in (("LocalClient.cmd test.ping (default)", {}),
+                          ("LocalClient.cmd test.ping (expect_minions=False)",
+                           {"expect_minions": False})):
+            t = time.perf_counter()
+            client.cmd([peer], "test.ping", tgt_type="list", timeout=60, full_return=True, **kw)
+            out[label].append(time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+    def client_roundtrip(self, peer):
+        """
+        In one process on the primary: a key listing, and a publish round trip
+        the way the runner does it (LocalClient.cmd), with and without Salt
+        3008's listing of every accepted key after the returns (expect_minions).
+        """
+        proc = subprocess.run(
+            [sys.executable, "-c", self.CLIENT_CODE, self.primary.config_file, peer,
+             str(self.args.repeat)],
+            env=self.env, capture_output=True, text=True, check=False, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"client round trip failed: {proc.stderr[-2000:]}")
+        for label, values in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+            for secs in values:
+                self.record(f"in-process: {label}", secs)
 
     def in_process_manifests(self):
         sys.path.insert(0, str(self.root / "site"))
@@ -697,7 +749,7 @@ class Bench:
         lines = []
         add = lines.append
         args = self.args
-        add(f"salt-multimaster sync benchmark  {args.stamp}")
+        add(f"salt-multimaster sync benchmark  {args.stamp}  (product at {self.res.get('commit')})")
         add(f"data: {self.res['keys']} accepted keys, {self.res['files']} files "
             f"({self.res['bytes'] / 1e6:.1f} MB) in file_roots base; {n} peer(s); "
             f"median of {args.repeat} where repeated; every figure a whole command")
@@ -798,7 +850,9 @@ def main(argv=None):
         else:
             stack.callback(say, f"kept {root}")
         ensure_tools()
-        say(f"root {root}; installing the extension")
+        global REPO_COMMIT  # pylint: disable=global-statement
+        REPO_COMMIT = repo_commit()
+        say(f"root {root}; installing the extension at {REPO_COMMIT}")
         site = install_extension(root)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
@@ -821,7 +875,7 @@ def main(argv=None):
         subprocess.run(["sync"], check=False)
         bench = Bench(args, root, cluster, sshd, env)
         bench.res.update(keys=len(os.listdir(pki / "minions")), files=args.files,
-                         bytes=du_bytes(base), args=vars(args))
+                         bytes=du_bytes(base), args=vars(args), commit=REPO_COMMIT)
         try:
             bench.run()
         finally:
