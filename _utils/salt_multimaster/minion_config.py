@@ -16,9 +16,11 @@ import hashlib
 import ipaddress
 import os
 import re
-import tempfile
 
 import salt.utils.yaml
+
+from salt_multimaster import fsutil
+from salt_multimaster.audit import resolve_hosts  # noqa: F401  (one resolver for audit and states)
 
 DEFAULT_MASTER_PORT = 4506
 DROPIN_NAME = "multimaster.conf"
@@ -88,42 +90,6 @@ def split_master(entry, default_port=DEFAULT_MASTER_PORT):
     if not 0 < port < 65536:
         raise ValueError(f"master entry {entry!r} has an invalid port {port}")
     return host, port
-
-
-def resolve_hosts(hosts, timeout=2.0, resolver=None):
-    """
-    ``{host: set of addresses}`` for master host names (resolved in parallel,
-    at most ``timeout`` seconds); an IP address maps to itself and a name that
-    does not resolve in time to an empty set.
-    """
-    import concurrent.futures  # pylint: disable=import-outside-toplevel
-    import socket  # pylint: disable=import-outside-toplevel
-
-    def _lookup(name):
-        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-        return {ipaddress.ip_address(i[4][0].split("%", 1)[0]).compressed for i in infos}
-
-    resolver = resolver or _lookup
-    ret, names = {}, []
-    for host in dict.fromkeys(hosts):
-        try:
-            ret[host] = {ipaddress.ip_address(host).compressed}
-        except ValueError:
-            names.append(host)
-    if not names:
-        return ret
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(names)))
-    futures = {pool.submit(resolver, name): name for name in names}
-    try:
-        done, _ = concurrent.futures.wait(futures, timeout=timeout)
-        for future, name in futures.items():
-            try:
-                ret[name] = set(future.result(timeout=0)) if future in done else set()
-            except Exception:  # pylint: disable=broad-except
-                ret[name] = set()
-    finally:
-        pool.shutdown(wait=False)
-    return ret
 
 
 def dedup_masters(masters, default_port=DEFAULT_MASTER_PORT, resolved=None):
@@ -404,35 +370,10 @@ def overriding_files(conf_file, dropin, keys):
 
 def atomic_write(path, text, mode=0o644):
     """Write ``text`` to ``path``: temp file in the same folder, fsync, rename."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mm-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            os.fchmod(fh.fileno(), mode)
-            fh.write(text.encode("utf-8"))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    fsutil.makedirs(os.path.dirname(path) or ".")
+    fsutil.atomic_write(path, text, mode=mode)
 
 
-# ---------------------------------------------------------------------------
-# Trusted master key
-# ---------------------------------------------------------------------------
 def normalize_finger(finger):
     """``AB:cd:...`` -> ``abcd...`` (hex digits only)."""
     return re.sub(r"[^0-9a-f]", "", str(finger or "").lower())
