@@ -20,7 +20,8 @@ import re
 import salt.utils.yaml
 
 from salt_multimaster import fsutil
-from salt_multimaster.audit import resolve_hosts  # noqa: F401  (one resolver for audit and states)
+# one resolver and one fingerprint form for the audit and the states
+from salt_multimaster.audit import normalize_finger, resolve_hosts  # noqa: F401
 
 DEFAULT_MASTER_PORT = 4506
 DROPIN_NAME = "multimaster.conf"
@@ -372,11 +373,6 @@ def atomic_write(path, text, mode=0o644):
     """Write ``text`` to ``path``: temp file in the same folder, fsync, rename."""
     fsutil.makedirs(os.path.dirname(path) or ".")
     fsutil.atomic_write(path, text, mode=mode)
-
-
-def normalize_finger(finger):
-    """``AB:cd:...`` -> ``abcd...`` (hex digits only)."""
-    return re.sub(r"[^0-9a-f]", "", str(finger or "").lower())
 
 
 def key_finger(text, sum_type="sha256"):
