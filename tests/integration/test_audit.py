@@ -427,8 +427,10 @@ def test_fleet_report_lists_failures_and_missing_minions(cluster):
             assert any(line.startswith(minion(cluster, 1).id) and ": ok" in line
                        for line in lines), ret.stdout
 
+            # the factories add --timeout=180 (salt-run's timeout, which the
+            # runner waits for minions by default): bound it with timeout=
             ret = cluster.salt_run(cluster.primary, "multimaster.audit",
-                                   f"tgt={PILLAR_MINIONS}", "--out=json")
+                                   f"tgt={PILLAR_MINIONS}", "timeout=10", "--out=json")
             assert ret.returncode != 0, ret
             data = ret.data
             assert data["result"] is False and data["retcode"] == 1
