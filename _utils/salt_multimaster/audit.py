@@ -622,16 +622,30 @@ def check_version_skew(minion_version, master_versions):
 _MINION_SCRIPT = re.compile(r"(^|[-_])salt[-_]minion(\.py)?$")
 
 
+def _root_id(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def list_processes(proc="/proc"):
     """
-    ``[(pid, ppid, argv, cwd)]`` for every process readable under /proc.
+    ``[(pid, ppid, argv, cwd)]`` for every process readable under /proc that
+    shares this process's root directory (a minion in a container seen from
+    the host is another minion, not a duplicate).
     """
     ret = []
     try:
         pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
     except OSError:
         return ret
+    own_root = _root_id(os.path.join(proc, "self", "root")) or _root_id("/")
     for pid in pids:
+        root = _root_id(os.path.join(proc, str(pid), "root"))
+        if root is not None and own_root is not None and root != own_root:
+            continue
         try:
             with open(os.path.join(proc, str(pid), "cmdline"), "rb") as fh:
                 raw = fh.read()
