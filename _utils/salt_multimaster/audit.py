@@ -202,7 +202,7 @@ def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resol
                 "Expected master(s) missing from the minion configuration: "
                 + ", ".join(missing),
                 "Add {} to 'master' in the minion configuration (or apply the "
-                "salt.multimaster minion state) and restart salt-minion.".format(
+                "salt.multimaster.minion state) and restart salt-minion.".format(
                     ", ".join(missing)
                 ),
             )
@@ -342,12 +342,13 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
         if topology == "signed":
             remedy = (
                 "Copy the masters' shared master_sign.pub to {} (or apply the "
-                "salt.multimaster minion state) and restart salt-minion.".format(path)
+                "salt.multimaster.minion state, multimaster.master_key) and restart "
+                "salt-minion.".format(path)
             )
         else:
             remedy = (
                 "Start salt-minion so it authenticates and caches the master key at {} "
-                "(or apply the salt.multimaster minion state), then run the audit "
+                "(or apply the salt.multimaster.minion state), then run the audit "
                 "again.".format(path)
             )
         return [finding("master_pubkey", "error", f"No {what}: {path} is missing.", remedy)]
@@ -367,15 +368,16 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
         if topology == "signed":
             remedy = (
                 "Replace {} with the masters' master_sign.pub (fingerprint {}) and "
-                "restart salt-minion (or apply the salt.multimaster minion "
-                "state).".format(path, expected_finger)
+                "restart salt-minion (or apply the salt.multimaster.minion state, "
+                "multimaster.master_key).".format(path, expected_finger)
             )
         else:
             remedy = (
                 "The minion trusts a stale or foreign master key: remove {} and restart "
-                "salt-minion so it caches the masters' key (or apply the salt.multimaster "
-                "minion state); check that every master serves the same master.pub "
-                "(salt-key -F master on each).".format(path)
+                "salt-minion so it caches the masters' key (or apply the "
+                "salt.multimaster.minion state, multimaster.master_key); check that "
+                "every master serves the same master.pub (salt-key -F master on "
+                "each).".format(path)
             )
         return [
             finding(
@@ -459,7 +461,7 @@ def check_failover_settings(opts, masters, sign_key_present):
                 "verify_master_pubkey_sign is on but {} is missing from the minion "
                 "pki_dir: authentication with a signed master fails.".format(sign_name),
                 "Copy the masters' {} into the minion pki_dir (or apply the "
-                "salt.multimaster minion state with topology signed).".format(sign_name),
+                "salt.multimaster.minion state with topology signed).".format(sign_name),
             )
         )
     if verify and not failover and len(masters) > 1:
