@@ -125,9 +125,10 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     """
     Report what this peer master holds, for the categories asked.
 
-    For ``minion_keys``, ``file_roots`` and ``pillar_roots`` the full manifest
-    is returned only when its digest differs from the one given in
-    ``digests`` (the primary's): an unchanged peer answers with digests only.
+    For ``minion_keys``, ``file_roots`` and ``pillar_roots`` the manifests are
+    cut in buckets; only the buckets whose digest differs from the primary's
+    (``digests``) are returned: an unchanged peer answers with digests only,
+    a peer one key behind with one bucket.
 
     CLI Example:
 
@@ -160,20 +161,24 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
             )
         else:
             raise CommandExecutionError(f"unknown category: {cat!r}")
-        dig = manifest.digest(man)
-        entry = {"digest": dig, "errors": errors}
-        if digests.get(cat) != dig:
-            entry["manifest"] = man
+        parts = manifest.split(cat, man)
+        mine = manifest.bucket_digests(parts)
+        diff = manifest.differing(digests.get(cat) or {}, mine)
+        entry = {"digest": mine, "errors": errors, "buckets": diff,
+                 "manifest": manifest.merge(parts, diff)}
+        if cat in ("file_roots", "pillar_roots"):
+            entry["envs"] = sorted(mopts.get(cat) or {})
         if cat == "minion_keys":
             entry["counts"] = {state: len(keys) for state, keys in man.items()}
             history = _read_json(_history_path(), [])
-            if digests.get(cat) == dig and not test:
+            if not diff and not test:
                 # in step with the primary: every id here came from it
                 ids = sorted({mid for keys in man.values() for mid in keys})
                 if ids != history:
                     fsutil.atomic_write(_history_path(), salt.utils.json.dumps(ids), mode=0o600)
                 history = ids
-            entry["history"] = history
+            wanted = set(diff)
+            entry["history"] = [mid for mid in history if manifest._bucket(mid) in wanted]
         ret[cat] = entry
     cache.save()
     return ret

@@ -164,13 +164,15 @@ def _primary_state(conf, categories):
     for cat in categories:
         if cat == "minion_keys":
             man = manifest.keys_manifest(__opts__["pki_dir"], cache, seen=seen, errors=errors)
-            state[cat] = {"manifest": man, "digest": manifest.digest(man)}
+            parts = manifest.split(cat, man)
+            state[cat] = {"manifest": man, "parts": parts, "digest": manifest.bucket_digests(parts)}
         elif cat in ("file_roots", "pillar_roots"):
             man = manifest.roots_manifest(
                 __opts__.get(cat), manifest.Ignore.from_opts(__opts__), cache,
                 seen=seen, errors=errors,
             )
-            state[cat] = {"manifest": man, "digest": manifest.digest(man)}
+            parts = manifest.split(cat, man)
+            state[cat] = {"manifest": man, "parts": parts, "digest": manifest.bucket_digests(parts)}
         elif cat == "master_keys":
             pem, pub = _primary_master_key_files(conf["topology"])
             state[cat] = {
@@ -265,16 +267,18 @@ def _plan(conf, categories, primary, inv, force):
     for cat in categories:
         mine = primary[cat]["manifest"]
         theirs = inv.get(cat) or {}
-        if cat == "minion_keys":
-            if theirs.get("digest") == primary[cat]["digest"]:
-                cat_ops, rep = [], replicate.empty_report()
+        if cat in ("minion_keys", "file_roots", "pillar_roots"):
+            # only the buckets the peer reported as different are compared
+            from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+            mine = manifest.merge(primary[cat]["parts"], theirs.get("buckets") or [])
+            if cat == "minion_keys":
+                cat_ops, rep = replicate.plan_keys(
+                    mine, theirs.get("manifest") or {}, theirs.get("history"), force)
             else:
-                cat_ops, rep = replicate.plan_keys(mine, theirs.get("manifest") or {}, theirs.get("history"), force)
-        elif cat in ("file_roots", "pillar_roots"):
-            if theirs.get("digest") == primary[cat]["digest"]:
-                cat_ops, rep = [], replicate.empty_report()
-            else:
-                cat_ops, rep = replicate.plan_tree(mine, theirs.get("manifest") or {})
+                cat_ops, rep = replicate.plan_tree(
+                    mine, theirs.get("manifest") or {}, theirs.get("envs"),
+                    primary_envs=primary[cat]["manifest"])
         elif cat == "master_keys":
             cat_ops, rep = replicate.plan_master_keys(mine, theirs, conf["topology"])
         else:

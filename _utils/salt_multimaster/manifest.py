@@ -49,6 +49,46 @@ def key_sha_file(path):
         return key_sha(fh.read())
 
 
+BUCKETS = 64
+
+
+def _bucket(name):
+    return str(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0] % BUCKETS)
+
+
+def split(cat, man):
+    """
+    Cut a keys or roots manifest into ``BUCKETS`` parts by a hash of the id
+    (keys) or of ``saltenv/path`` (roots): ``{bucket: partial manifest}``.
+    A change then costs the exchange of one bucket, not the whole manifest.
+    """
+    ret = {}
+    for outer, entries in man.items():
+        for name, value in entries.items():
+            key = name if cat == "minion_keys" else f"{outer}/{name}"
+            ret.setdefault(_bucket(key), {}).setdefault(outer, {})[name] = value
+    return ret
+
+
+def bucket_digests(parts):
+    """``{bucket: digest}`` of :func:`split`'s parts."""
+    return {b: digest(part) for b, part in parts.items()}
+
+
+def differing(mine, theirs):
+    """Buckets whose digests differ (present on one side only included)."""
+    return sorted(b for b in set(mine) | set(theirs) if mine.get(b) != theirs.get(b))
+
+
+def merge(parts, buckets):
+    """The union of the partial manifests of ``buckets``."""
+    ret = {}
+    for b in buckets:
+        for outer, entries in parts.get(b, {}).items():
+            ret.setdefault(outer, {}).update(entries)
+    return ret
+
+
 class HashCache:
     """
     ``path -> [inode, size, mtime_ns, sha256]`` persisted as JSON.

@@ -76,29 +76,36 @@ def plan_keys(primary, peer, history, force=False):
     return ops, report
 
 
-def plan_tree(primary, peer):
+def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
     """
     ``primary``/``peer``: ``{saltenv: {rel: [size, mode, sha256]}}``.
     Files missing or different on the peer are written; files the primary
-    does not serve are removed.  A saltenv the peer does not configure is an
-    error for that saltenv.
+    does not serve are removed.  A saltenv the peer does not configure
+    (``peer_envs``, default: the saltenvs of ``peer``) is an error for that
+    saltenv.  Files are removed only from the saltenvs the primary serves
+    (``primary_envs``, default: the saltenvs of ``primary``), so partial
+    manifests (one bucket) can be planned.
     """
     report = empty_report()
     ops = []
+    peer_envs = set(peer if peer_envs is None else peer_envs)
+    primary_envs = set(primary if primary_envs is None else primary_envs)
     for env in sorted(primary):
-        if env not in peer:
+        if env not in peer_envs:
             report["errors"].append(
                 f"saltenv {env!r} is not configured on the peer; add it to the peer's roots"
             )
             continue
-        mine, theirs = primary[env], peer[env]
+        mine, theirs = primary[env], peer.get(env, {})
         for rel in sorted(mine):
             if theirs.get(rel) == mine[rel]:
                 continue
             size, mode, sha = mine[rel]
             ops.append({"op": WRITE, "env": env, "rel": rel, "mode": mode, "sha256": sha, "size": size})
             report["updated" if rel in theirs else "added"].append(f"{env}:{rel}")
-        for rel in sorted(set(theirs) - set(mine)):
+    for env in sorted(set(peer) & primary_envs):
+        mine = primary.get(env, {})
+        for rel in sorted(set(peer[env]) - set(mine)):
             ops.append({"op": REMOVE, "env": env, "rel": rel})
             report["removed"].append(f"{env}:{rel}")
     return ops, report

@@ -141,3 +141,20 @@ def test_batch_abort_leaves_destinations_alone(tmp_path):
     batch.abort()
     assert dest.read_text() == "before"
     assert os.listdir(tmp_path) == ["k"]
+
+
+def test_buckets_exchange_only_what_changed():
+    base = {f"f{i}.sls": [1, 0o644, A] for i in range(200)}
+    primary = {"base": dict(base, **{"f7.sls": [1, 0o644, B]})}
+    peer = {"base": dict(base), "dev": {"x": [1, 0o644, C]}}
+    pparts, tparts = manifest.split("file_roots", primary), manifest.split("file_roots", peer)
+    diff = manifest.differing(manifest.bucket_digests(pparts), manifest.bucket_digests(tparts))
+    assert 1 <= len(diff) <= 2  # f7's bucket, and dev/x's if it is another one
+    ops, report = replicate.plan_tree(manifest.merge(pparts, diff), manifest.merge(tparts, diff),
+                                      peer_envs=["base", "dev"], primary_envs=primary)
+    assert report["updated"] == ["base:f7.sls"]
+    assert report["removed"] == []  # dev is not served by the primary: left alone
+    keys = {"minions": {f"m{i}": A for i in range(300)}}
+    parts = manifest.split("minion_keys", keys)
+    assert manifest.merge(parts, list(parts)) == keys
+    assert 1 < len(parts) <= manifest.BUCKETS
