@@ -257,29 +257,39 @@ def write_files(base, count, size_mb, seed=1):
 # ---------------------------------------------------------------------------
 # the cluster
 # ---------------------------------------------------------------------------
-def repo_commit():
-    """HEAD of the repo measured (+ "-dirty" when the product code has local changes)."""
+def repo_commit(worktree=False):
+    """HEAD of the repo measured (+ "-dirty" for a working tree with product changes)."""
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
                               check=False).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = git("status", "--porcelain", "--", "_runners", "_modules", "_utils")
-    return head + ("-dirty" if dirty else "")
+    return head + ("-dirty" if worktree and dirty else "")
 
 
 REPO_COMMIT = None
 
 
-def install_extension(root):
-    """``pip install --no-deps --target`` of a copy of the repo (keeps the repo clean)."""
+def install_extension(root, worktree=False):
+    """
+    ``pip install --no-deps --target`` of the product: the committed HEAD
+    (``git archive``), or with ``worktree`` a copy of the working tree.  The
+    repo itself is left untouched (no build/ or egg-info in it).
+    """
     src = root / "src"
-    shutil.copytree(
-        REPO, src,
-        ignore=shutil.ignore_patterns(".venv", ".git", "bench", "tests", "__pycache__",
-                                      ".mm-sandbox*", "build", "dist", "*.egg-info",
-                                      ".pytest_cache"),
-    )
+    if worktree:
+        shutil.copytree(
+            REPO, src,
+            ignore=shutil.ignore_patterns(".venv", ".git", "bench", "tests", "__pycache__",
+                                          ".mm-sandbox*", "build", "dist", "*.egg-info",
+                                          ".pytest_cache"),
+        )
+    else:
+        src.mkdir()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "HEAD"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     site = root / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
@@ -343,8 +353,13 @@ def build_cluster(root, stack, peers):
     dropin.parent.mkdir(exist_ok=True)
     import salt.utils.yaml
 
-    dropin.write_text(salt.utils.yaml.safe_dump(
-        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    peer_ids = [m.id for m in cluster.peer_minions]
+    # the product's recommended setup: peers pull bulk key/pillar contents
+    # point-to-point (multimaster.pull through peer_run) instead of the publish
+    dropin.write_text(salt.utils.yaml.safe_dump({
+        "multimaster": {"peers": peer_ids},
+        "peer_run": {"^(" + "|".join(peer_ids) + ")$": ["multimaster.pull"]},
+    }))
     cluster.start()
     for minion in cluster.peer_minions:
         if not cluster.wait_ping(cluster.primary, minion.id, deadline=120):
@@ -436,7 +451,9 @@ class Bench:
             counts = {}
             for cat, rep in res.items():
                 if isinstance(rep, dict) and "added" in rep:
-                    counts[cat] = {k: len(v) for k, v in rep.items() if v}
+                    # a list Salt trimmed (max_event_size) comes back as a string
+                    counts[cat] = {k: (len(v) if isinstance(v, list) else f"NOT A LIST: {v!r:.40}")
+                                   for k, v in rep.items() if v}
             out[peer] = {"result": res.get("result"), "changes": counts,
                          "error": res.get("error")}
         return out
@@ -831,6 +848,8 @@ def main(argv=None):
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the cProfile runs")
     parser.add_argument("--keep", action="store_true", help="keep the /tmp/mmb-* root")
+    parser.add_argument("--worktree", action="store_true",
+                        help="measure the working tree instead of the committed HEAD")
     args = parser.parse_args(argv)
     args.stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
@@ -851,9 +870,9 @@ def main(argv=None):
             stack.callback(say, f"kept {root}")
         ensure_tools()
         global REPO_COMMIT  # pylint: disable=global-statement
-        REPO_COMMIT = repo_commit()
+        REPO_COMMIT = repo_commit(args.worktree)
         say(f"root {root}; installing the extension at {REPO_COMMIT}")
-        site = install_extension(root)
+        site = install_extension(root, args.worktree)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ)
