@@ -25,6 +25,7 @@ import socket
 import subprocess
 import time
 
+import salt.config
 import salt.utils.crypt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -123,6 +124,9 @@ class Cluster:
             "publish_port": PUBLISH_PORT,
             "ret_port": RET_PORT,
             "log_level_logfile": "debug",
+            # salt-factories serves files in 8 KiB chunks; a real master uses
+            # Salt's default (1 MiB): keep what users run
+            "file_buffer_size": salt.config.DEFAULT_MASTER_OPTS["file_buffer_size"],
         }
         base.update(master_overrides or {})
         primary_conf = dict(base, interface=f"{self.prefix}.2")
