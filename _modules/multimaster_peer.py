@@ -221,6 +221,28 @@ class _Applier:
         self.batch.remove(path)
 
 
+def _report():
+    """A category's report; ``failed`` names the items not applied."""
+    report = replicate.empty_report()
+    report["failed"] = []
+    return report
+
+
+MAX_REPORTED = 100
+
+
+def _outcome(report):
+    """
+    What goes back to the primary: failures only.  The primary already knows
+    what it asked for; echoing 20,000 written keys would exceed Salt's
+    max_event_size, and Salt would trim the return.
+    """
+    errors = report["errors"]
+    if len(errors) > MAX_REPORTED:
+        errors = errors[:MAX_REPORTED] + [f"... and {len(errors) - MAX_REPORTED} more errors"]
+    return {"errors": errors, "failed": report["failed"]}
+
+
 def _op_bytes(app, op, purpose):
     """The content of a write operation, however it travelled."""
     if "raw" in op:
@@ -233,7 +255,7 @@ def _op_bytes(app, op, purpose):
 
 
 def _apply_minion_keys(app, ops):
-    report = replicate.empty_report()
+    report = _report()
     pki = app.mopts["pki_dir"]
     for op in ops:
         rel = f"{op['state']}/{op['id']}"
@@ -250,6 +272,7 @@ def _apply_minion_keys(app, ops):
             report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError) as exc:
             report["errors"].append(f"{rel}: {exc}")
+            report["failed"].append(rel)
     return report
 
 
@@ -299,7 +322,7 @@ def _fetch(ops):
 
 
 def _apply_tree(app, cat, ops):
-    report = replicate.empty_report()
+    report = _report()
     roots = app.mopts.get(cat) or {}
     fetched = _fetch([op for op in ops if op["op"] == replicate.WRITE
                       and "sealed" not in op and "raw" not in op and op.get("env") in roots])
@@ -329,11 +352,12 @@ def _apply_tree(app, cat, ops):
             report["updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
             report["errors"].append(f"{rel}: {exc}")
+            report["failed"].append(rel)
     return report
 
 
 def _apply_master_keys(app, ops, topology):
-    report = replicate.empty_report()
+    report = _report()
     pem_path, pub_path = _master_key_files(app.mopts, topology)
     pki = app.mopts["pki_dir"]
     fsutil.makedirs(pki, mode=fsutil.KEY_DIR_MODE)
@@ -348,11 +372,12 @@ def _apply_master_keys(app, ops, topology):
             report["updated"].append(op["name"])
         except (CommandExecutionError, OSError, seal.SealError) as exc:
             report["errors"].append(f"{op['name']}: {exc}")
+            report["failed"].append(op["name"])
     return report
 
 
 def _apply_master_config(app, ops):
-    report = replicate.empty_report()
+    report = _report()
     path = _dropin_path(app.mopts)
     for op in ops:
         try:
@@ -363,6 +388,7 @@ def _apply_master_config(app, ops):
             report["updated"].append(os.path.basename(path))
         except (CommandExecutionError, OSError) as exc:
             report["errors"].append(f"{path}: {exc}")
+            report["failed"].append(os.path.basename(path))
     return report
 
 
@@ -446,7 +472,7 @@ def apply(ops, topology="shared", pull_token=None):
         elif cat == "master_config":
             ret[cat] = _apply_master_config(app, cat_ops)
         else:
-            ret[cat] = replicate.empty_report()
+            ret[cat] = _report()
             ret[cat]["errors"].append(f"unknown category: {cat!r}")
     try:
         app.batch.commit()
@@ -457,6 +483,8 @@ def apply(ops, topology="shared", pull_token=None):
     changed_daemon_config = any(
         ret.get(c, {}).get("updated") for c in ("master_keys", "master_config")
     )
+    for cat in ops:
+        ret[cat] = _outcome(ret[cat])
     ret["restart"] = _restart_master() if changed_daemon_config else None
     ret["backup"] = app.backup_root if app.backed_up else None
     return ret

@@ -446,16 +446,23 @@ def pull(request):
 
 
 def _merge(report, applied):
-    """Replace planned lists by what the peer reports it did."""
+    """Take out of the planned lists the items the peer reports as failed."""
     for cat, rep in applied.items():
         if cat not in report or not isinstance(rep, dict):
             continue
-        report[cat]["errors"].extend(rep.get("errors", []))
-        done = set(rep.get("updated", [])) | set(rep.get("removed", []))
+        errors, failed = rep.get("errors"), rep.get("failed")
+        if isinstance(errors, list):
+            report[cat]["errors"].extend(errors)
+        elif errors:
+            report[cat]["errors"].append(f"peer errors not readable: {str(errors)[:200]}")
+        if not isinstance(failed, list):
+            if failed:
+                report[cat]["errors"].append("the peer's list of failed items was trimmed")
+            continue
+        failed = set(failed)
         for kind in ("added", "updated", "removed"):
             report[cat][kind] = [
-                item for item in report[cat][kind]
-                if _applied_name(cat, item) in done
+                item for item in report[cat][kind] if _applied_name(cat, item) not in failed
             ]
 
 
@@ -473,8 +480,11 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
         if warnings:
             ret["warnings"] = warnings
         kwarg = {"ops": ops, "topology": conf["topology"], "pull_token": token}
+        # a large apply (an initial sync) takes longer than an inventory:
+        # allow for 10 operations a second on top of the timeout
+        wait = conf["timeout"] + sum(len(o) for o in ops.values()) // 10
         try:
-            rets = _publish([peer], "multimaster_peer.apply", kwarg, conf["timeout"])
+            rets = _publish([peer], "multimaster_peer.apply", kwarg, wait)
         finally:
             if token:
                 os.unlink(os.path.join(__opts__["cachedir"], "multimaster", "pull", token))

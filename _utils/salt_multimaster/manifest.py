@@ -265,8 +265,8 @@ def keys_manifest(pki_dir, cache, seen=None, errors=None):
             continue
         for name in names:
             full = os.path.join(path, name)
-            if name.startswith(".mm-"):
-                continue
+            if name.startswith("."):
+                continue  # Salt's own .key_cache, our temp files: not keys
             if not valid_minion_id(name):
                 errors.append(f"{state}/{name!r}: invalid minion id, skipped")
                 continue
