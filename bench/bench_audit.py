@@ -68,34 +68,15 @@ def install_extension(root):
                                       ".mm-sandbox*", "build", "dist", "*.egg-info",
                                       ".pytest_cache"),
     )
-    site = root / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(src)],
-        check=True,
-    )
-    return site
+    from tests.support.cluster import install_extension  # pylint: disable=import-outside-toplevel
+
+    return install_extension(src, root / "site")
 
 
 def build_cluster(root, stack, minions):
-    # pylint: disable=import-outside-toplevel
-    from saltfactories.manager import FactoriesManager
-    from saltfactories.plugins.event_listener import EventListener
+    from tests.support.cluster import Cluster, standalone_factories  # pylint: disable=import-outside-toplevel
 
-    from tests.support.cluster import Cluster
-
-    listener = EventListener()
-    listener.start()
-    stack.callback(listener.stop)
-    factories = FactoriesManager(
-        root_dir=root / "f",
-        log_server_host=None,
-        log_server_port=None,
-        log_server_level=None,
-        event_listener=listener,
-        start_timeout=120,
-        slow_stop=False,
-    )
+    factories = standalone_factories(root, stack, slow_stop=False)
     quiet = {"log_level_logfile": "warning"}
     cluster = Cluster(
         factories, "bau", peers=1, minions=minions, share_master_keys=True,

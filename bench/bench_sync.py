@@ -290,13 +290,9 @@ def install_extension(root, worktree=False):
         archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "HEAD"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
-    site = root / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(site), str(src)],
-        check=True,
-    )
-    return site
+    from tests.support.cluster import install_extension  # pylint: disable=import-outside-toplevel
+
+    return install_extension(src, root / "site")
 
 
 def find_pyspy(root):
@@ -322,24 +318,9 @@ def quiet_salt_logging():
 
 
 def build_cluster(root, stack, peers):
-    # pylint: disable=import-outside-toplevel
-    from saltfactories.manager import FactoriesManager
-    from saltfactories.plugins.event_listener import EventListener
+    from tests.support.cluster import Cluster, standalone_factories  # pylint: disable=import-outside-toplevel
 
-    from tests.support.cluster import Cluster
-
-    listener = EventListener()
-    listener.start()
-    stack.callback(listener.stop)
-    factories = FactoriesManager(
-        root_dir=root / "f",
-        log_server_host=None,
-        log_server_port=None,
-        log_server_level=None,
-        event_listener=listener,
-        start_timeout=120,
-        slow_stop=False,
-    )
+    factories = standalone_factories(root, stack, slow_stop=False)
     # a user's default log level (no debug logging cost); no pytest log server here
     quiet = {"log_level_logfile": "warning"}
     cluster = Cluster(

@@ -7,7 +7,6 @@ import logging
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -27,7 +26,7 @@ except Exception:  # pylint: disable=broad-except  # pragma: no cover
     pass
 logging.getLogger().addHandler(logging.NullHandler())
 
-from tests.support.cluster import Cluster  # noqa: E402  pylint: disable=wrong-import-position
+from tests.support.cluster import Cluster, install_extension  # noqa: E402  pylint: disable=wrong-import-position
 
 
 @pytest.fixture(scope="session")
@@ -46,15 +45,7 @@ def pip_site(mm_root):
     directory, put on PYTHONPATH for every daemon and CLI the tests start.
     Salt finds the extension through its ``salt.loader`` entry point there.
     """
-    site = mm_root / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-         "--no-build-isolation", "--target", str(site), str(REPO)],
-        check=True,
-    )
-    shutil.rmtree(REPO / "build", ignore_errors=True)
-    for egg in REPO.glob("*.egg-info"):
-        shutil.rmtree(egg, ignore_errors=True)
+    site = install_extension(REPO, mm_root / "site")
     return site
 
 

@@ -9,6 +9,7 @@ minions), then ``salt-run multimaster.sync`` making the peer a replica.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -141,33 +142,18 @@ def main():
     sandbox = pathlib.Path(tempfile.mkdtemp(prefix="mm-demo-", dir="/tmp"))
     os.chmod(sandbox, 0o755)
     say(f"Sandbox in {sandbox}: installing salt-multimaster there (pip install .)")
-    site = sandbox / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-         "--no-build-isolation", "--target", str(site), str(REPO)],
-        check=True,
-    )
-    shutil.rmtree(REPO / "build", ignore_errors=True)
+    # pylint: disable=import-outside-toplevel
+    from tests.support.cluster import Cluster, install_extension, standalone_factories
+
+    site = install_extension(REPO, sandbox / "site")
+    # salt-factories hands its environment to the daemons it starts
     os.environ["PYTHONPATH"] = str(site)
 
-    # Imported late: salt-factories must see PYTHONPATH to hand it to the daemons.
-    from saltfactories.manager import FactoriesManager  # pylint: disable=import-outside-toplevel
-    from saltfactories.plugins.event_listener import EventListener  # pylint: disable=import-outside-toplevel
-    from saltfactories.utils import ports  # pylint: disable=import-outside-toplevel
-
-    from tests.support.cluster import Cluster  # pylint: disable=import-outside-toplevel
-
     cluster = None
+    demo_ok = False
     try:
-        with EventListener() as listener:
-            factories = FactoriesManager(
-                root_dir=sandbox / "f",
-                log_server_port=ports.get_unused_localhost_port(),
-                log_server_level="critical",
-                log_server_host="127.0.0.1",
-                event_listener=listener,
-                start_timeout=120,
-            )
+        with contextlib.ExitStack() as stack:
+            factories = standalone_factories(sandbox, stack)
             repo_copy = sandbox / "salt-multimaster"
             shutil.copytree(REPO, repo_copy, ignore=shutil.ignore_patterns(
                 ".venv", ".git", "__pycache__", "*.pyc", "build", "*.egg-info", "results"))

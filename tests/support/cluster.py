@@ -23,6 +23,7 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import salt.config
@@ -65,6 +66,50 @@ def pick_prefix(count):
         if all(_addr_free(f"{prefix}.{2 + i}") for i in range(count)):
             return prefix
     raise RuntimeError("no free loopback prefix found for a test cluster")
+
+
+def install_extension(src, site):
+    """
+    ``pip install .`` of ``src`` (this repository or a copy of it) into the
+    directory ``site``: a real, non-editable wheel build, without dependencies.
+    Daemons given ``site`` on PYTHONPATH find the extension through its
+    ``salt.loader`` entry point.
+    """
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+         "--no-build-isolation", "--target", str(site), str(src)],
+        check=True,
+    )
+    shutil.rmtree(pathlib.Path(src) / "build", ignore_errors=True)
+    for egg in pathlib.Path(src).glob("*.egg-info"):
+        shutil.rmtree(egg, ignore_errors=True)
+    return pathlib.Path(site)
+
+
+def standalone_factories(root, stack, **kwargs):
+    """
+    salt-factories outside pytest (the demo, the benchmarks): an event
+    listener, stopped by the ``contextlib.ExitStack`` ``stack``, and a
+    factories manager rooted at ``root/f``.
+    """
+    # pylint: disable=import-outside-toplevel
+    from saltfactories.manager import FactoriesManager
+    from saltfactories.plugins.event_listener import EventListener
+    from saltfactories.utils import ports
+
+    listener = EventListener()
+    listener.start()
+    stack.callback(listener.stop)
+    kwargs.setdefault("start_timeout", 120)
+    return FactoriesManager(
+        root_dir=pathlib.Path(root) / "f",
+        # nothing listens there: the daemons' log forwarding goes nowhere
+        log_server_host="127.0.0.1",
+        log_server_port=ports.get_unused_localhost_port(),
+        log_server_level="critical",
+        event_listener=listener,
+        **kwargs,
+    )
 
 
 def gen_keypair(bits=2048):
