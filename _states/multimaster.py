@@ -61,6 +61,26 @@ def _notes(check):
     return "".join(f" Note: {note}." for note in check.get("notes") or [])
 
 
+def _check(ret, fun, what, args_what, **kwargs):
+    """
+    Run the execution module's check ``fun``; on failure or invalid arguments
+    fill ``ret`` (result False, a comment naming the problem) and return None.
+    """
+    try:
+        check = __salt__[fun](**kwargs)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        ret["result"] = False
+        ret["comment"] = f"Cannot check {what}: {exc}"
+        return None
+    if check["errors"]:
+        ret["result"] = False
+        ret["comment"] = "Invalid {}, {} not written: {}".format(
+            args_what, check["path"], "; ".join(check["errors"])
+        )
+        return None
+    return check
+
+
 def _schedule_restart(ret, restart, restart_cmd, restart_delay):
     """Schedule the background restart and record it in ``ret``."""
     if not restart:
@@ -134,21 +154,11 @@ def minion_config(
     """
     ret = {"name": name, "result": True, "changes": {}, "comment": ""}
     settings = salt.utils.args.clean_kwargs(**settings)
-    try:
-        check = __salt__["multimaster.minion_config_check"](
-            masters=masters, name=name, **settings
-        )
-    except (CommandExecutionError, SaltInvocationError) as exc:
-        ret["result"] = False
-        ret["comment"] = f"Cannot check the multi-master minion config: {exc}"
+    check = _check(ret, "multimaster.minion_config_check", "the multi-master minion config",
+                   "multi-master minion settings", masters=masters, name=name, **settings)
+    if check is None:
         return ret
     path = check["path"]
-    if check["errors"]:
-        ret["result"] = False
-        ret["comment"] = "Invalid multi-master minion settings, {} not written: {}".format(
-            path, "; ".join(check["errors"])
-        )
-        return ret
     if not check["rewrite"]:
         ret["comment"] = f"Multi-master minion config {path} is already set.{_notes(check)}"
         return ret
@@ -258,19 +268,11 @@ def master_key(
         topology=topology,
         saltenv=saltenv,
     )
-    try:
-        check = __salt__["multimaster.master_key_check"](**kwargs)
-    except (CommandExecutionError, SaltInvocationError) as exc:
-        ret["result"] = False
-        ret["comment"] = f"Cannot check the trusted master key: {exc}"
+    check = _check(ret, "multimaster.master_key_check", "the trusted master key",
+                   "trusted master key arguments", **kwargs)
+    if check is None:
         return ret
     path = check["path"]
-    if check["errors"]:
-        ret["result"] = False
-        ret["comment"] = "Invalid trusted master key arguments, {} not written: {}".format(
-            path, "; ".join(check["errors"])
-        )
-        return ret
     if check["match"]:
         ret["comment"] = "Trusted master key {} is already {}.".format(
             path, check["expected_finger"]
