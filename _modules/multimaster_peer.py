@@ -288,6 +288,58 @@ def _update_history(ops, report):
     fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(history)), mode=0o600)
 
 
+def mirror_keys(keys, force=False, test=False):
+    """
+    Make the keys of a few minion ids mirror the primary's, in one round trip:
+    what the primary's reactor sends after ``salt/key`` events.
+
+    ``keys`` maps each minion id to its keys on the primary,
+    ``{state_dir: {"sha256": ..., "data": <public key>}}`` (``{}``: deleted
+    there).  The peer plans these ids as a full sync would (same conflicts,
+    same history of ids received from the primary) and applies the plan
+    unless ``test``.  Returns the report of the ``minion_keys`` category.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.sync only=minion_keys minion_ids=web01
+    """
+    mopts = _master_opts()
+    errors = []
+    primary = {state: {} for state in manifest.KEY_STATES}
+    contents = {}
+    for mid, states in (keys or {}).items():
+        for state, entry in (states or {}).items():
+            if state not in manifest.KEY_STATES or not isinstance(entry, dict):
+                errors.append(f"{state}/{mid}: unknown key state, skipped")
+                continue
+            primary[state][mid] = entry.get("sha256")
+            contents[(state, mid)] = entry.get("data")
+    here = manifest.keys_state(mopts["pki_dir"], list(keys or {}), errors=errors)
+    history = _read_json(_history_path(), [])
+    ops, report = replicate.plan_keys(primary, here, history, force=force)
+    report["errors"].extend(errors)
+    if test or not ops:
+        return report
+    for op in ops:
+        if op["op"] == replicate.WRITE and contents.get((op["state"], op["id"])) is not None:
+            op["data"] = contents[(op["state"], op["id"])]
+    app = _Applier(mopts)
+    applied = _apply_minion_keys(app, ops)
+    try:
+        app.batch.commit()
+    except OSError as exc:
+        raise CommandExecutionError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+    _update_history(ops, applied)
+    failed = set(applied["failed"])
+    for kind in ("added", "updated", "removed"):
+        report[kind] = [item for item in report[kind] if item not in failed]
+    report["errors"].extend(applied["errors"])
+    report["backup"] = app.backup_root if app.backed_up else None
+    return report
+
+
 FETCH_THREADS = 4
 
 

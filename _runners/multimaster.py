@@ -115,7 +115,9 @@ def _as_list(value):
         return []
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
-    return list(value)
+    if isinstance(value, (list, tuple, set)):
+        return [str(v) for v in value]
+    return [str(value)]
 
 
 def _invalid(message):
@@ -505,7 +507,50 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     return ret
 
 
-def sync(peers=None, only=None, test=False, force=False, **kwargs):
+# Past this many ids a targeted key sync is a full minion_keys sync.
+MAX_TARGETED_IDS = 200
+
+
+def _sync_ids(conf, peers, ids, test, force):
+    """
+    Mirror the keys of ``ids`` only: one publish to every peer carrying the
+    primary's keys of these ids; each peer plans and applies them itself.
+    """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    errors = []
+    state = manifest.keys_state(__opts__["pki_dir"], ids, errors=errors)
+    keys = {mid: {} for mid in ids}
+    for key_state, entries in state.items():
+        for mid in entries:
+            path = os.path.join(__opts__["pki_dir"], key_state, mid)
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    data = fh.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                errors.append(f"{key_state}/{mid}: unreadable: {exc}")
+                continue
+            keys[mid][key_state] = {"sha256": manifest.key_sha(data.encode()), "data": data}
+    rets = _publish(peers, "multimaster_peer.mirror_keys",
+                    {"keys": keys, "force": force, "test": test}, conf["timeout"])
+    ret = {}
+    for peer in peers:
+        got = rets.get(peer)
+        rep = got.get("ret") if isinstance(got, dict) else None
+        if not isinstance(rep, dict) or "conflicts" not in rep:
+            ret[peer] = {"result": False, "error": "peer did not apply the keys (unreachable, "
+                         f"or multimaster_peer not loaded): {rep if got else 'no return'}"}
+            continue
+        backup = rep.pop("backup", None)
+        ret[peer] = {"result": not rep["errors"], "minion_keys": rep}
+        if backup:
+            ret[peer]["backup"] = backup
+        if errors:
+            ret[peer]["primary_errors"] = errors
+    return ret
+
+
+def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwargs):
     """
     Make each peer master mirror this (primary) master.
 
@@ -518,6 +563,11 @@ def sync(peers=None, only=None, test=False, force=False, **kwargs):
         Change nothing; report exactly what a real run would change.
     force
         Replace conflicting minion keys and remove keys found only on a peer.
+    minion_ids
+        Sync the keys of these minions only (implies ``only=minion_keys``): one
+        publish instead of an inventory and an apply, and no listing of every
+        key.  The ``salt/key`` reactor passes the ids of its events.  Past
+        200 ids, a full ``minion_keys`` sync runs instead.
 
     Returns, per peer, ``{"result": bool, "<category>": {"added": [...],
     "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``.
@@ -530,10 +580,24 @@ def sync(peers=None, only=None, test=False, force=False, **kwargs):
 
         salt-run multimaster.sync
         salt-run multimaster.sync peers=master02 only=minion_keys,file_roots test=True
+        salt-run multimaster.sync minion_ids=web01,web02
     """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
     conf = _conf(dict(kwargs, peers=peers))
     only = _as_list(only)
+    ids = sorted(set(_as_list(minion_ids)))
     error = _validate(conf, only)
+    if not error and ids:
+        other = [c for c in only if c != "minion_keys"]
+        bad_ids = [mid for mid in ids if not manifest.valid_minion_id(mid)]
+        if other:
+            error = f"minion_ids syncs minion_keys only, not {', '.join(other)}"
+        elif bad_ids:
+            error = f"invalid minion id(s) in minion_ids: {', '.join(map(repr, bad_ids))}"
+        only = ["minion_keys"]
+        if len(ids) > MAX_TARGETED_IDS:
+            ids = []
     if error:
         return _invalid(error)
     categories = only or conf["replicate"]
@@ -545,7 +609,9 @@ def sync(peers=None, only=None, test=False, force=False, **kwargs):
     for peer, message in bad.items():
         ret[peer] = {"result": False, "error": message}
     peers = [p for p in conf["peers"] if p not in bad]
-    if peers:
+    if peers and ids:
+        ret.update(_sync_ids(conf, peers, ids, test, force))
+    elif peers:
         _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
         primary, invs = _inventories(conf, categories, peers, test)
         import concurrent.futures  # pylint: disable=import-outside-toplevel

@@ -1,13 +1,15 @@
 """
-Coalesce ``salt/key`` events into ``multimaster.sync only=minion_keys`` runs.
+Coalesce ``salt/key`` events into ``multimaster.sync`` runs of the keys that
+changed.
 
 The reactor SLS ``salt://salt/multimaster/reactor/key.sls`` (installed on the
 primary master by the ``salt.multimaster.master`` state) calls
 :py:func:`key_event` for every key accepted, rejected, deleted, pending or
-denied.  ``salt-key -A`` fires one event per key: running one full sync per
-event would be a sync storm.  Instead at most one sync runs at a time; an
-event arriving while it runs marks the keys dirty and the running sync runs
-once more when it is done, so the last change is never missed and a burst
+denied.  Each event's minion id is queued; at most one sync runs at a time
+and it takes every id queued so far (``multimaster.sync minion_ids=...``: one
+publish, no listing of every key).  ``salt-key -A`` fires one event per key:
+the first event syncs its key at once, the ones arriving meanwhile are synced
+together by one more round, so the last change is never missed and a burst
 costs two syncs at most.
 """
 
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 __virtualname__ = "multimaster_reactor"
 
 KEY_ACTS = ("accept", "reject", "delete", "accepted", "rejected", "pending", "denied")
+ALL = "*"
 
 
 def __virtual__():
@@ -33,15 +36,43 @@ def _state_dir():
     return path
 
 
-def _touch(path):
-    with open(path, "a", encoding="utf-8"):
-        os.utime(path, None)
+class _Queue:
+    """Minion ids waiting for a key sync, in a file shared by reactor threads and processes."""
+
+    def __init__(self, state_dir):
+        self.path = os.path.join(state_dir, "key-sync.pending")
+        self.lock_path = os.path.join(state_dir, "key-sync.pending.lock")
+
+    def _locked(self):
+        fh = open(self.lock_path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        return fh
+
+    def put(self, ids):
+        with self._locked():
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write("".join(f"{mid}\n" for mid in ids))
+
+    def take(self):
+        """Every queued id (``*``: all keys), emptying the queue; None when empty."""
+        with self._locked():
+            try:
+                with open(self.path, encoding="utf-8") as fh:
+                    ids = {line.strip() for line in fh if line.strip()}
+                os.unlink(self.path)
+            except FileNotFoundError:
+                return None
+        return ids
+
+    def pending(self):
+        return os.path.exists(self.path)
 
 
 def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retry_delay=2):
     """
-    Replicate minion keys to the peers after a ``salt/key`` event, coalescing
-    bursts: at most one ``multimaster.sync only=minion_keys`` runs at a time.
+    Replicate a minion's keys to the peers after a ``salt/key`` event,
+    coalescing bursts: at most one ``multimaster.sync minion_ids=...`` runs at
+    a time.
 
     act
         The event's ``act`` (Salt 3007: accept, reject, delete; Salt 3008:
@@ -49,7 +80,9 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         ignored.
 
     minion_id
-        The minion whose key changed (logged only: the sync mirrors every key).
+        The minion whose key changed: its keys (in every state dir) are
+        synced, with those of the events queued meanwhile.  Without it, every
+        key is synced.
 
     window
         Seconds to wait before each sync so that more of a burst is covered
@@ -77,12 +110,12 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
     if act is not None and act not in KEY_ACTS:
         return {"ignored": f"act {act!r}"}
     state_dir = _state_dir()
-    dirty = os.path.join(state_dir, "key-sync.dirty")
+    queue = _Queue(state_dir)
     lock_path = os.path.join(state_dir, "key-sync.lock")
-    # Mark first, lock second: a running sync that has not yet looked at the
-    # mark will see it, and one that already released the lock is re-checked
-    # below.
-    _touch(dirty)
+    # Queue first, lock second: a running sync that has not yet taken the
+    # queue will see this id, and one that already released the lock is
+    # re-checked below.
+    queue.put([str(minion_id) if minion_id is not None else ALL])
     syncs, last, result, failures = 0, None, True, 0
     while True:
         with open(lock_path, "a", encoding="utf-8") as lock:
@@ -92,12 +125,18 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                 log.debug("multimaster: key sync running; %s %s queued", act, minion_id)
                 return {"queued": True, "syncs": syncs, "result": result, "last": last}
             try:
-                while os.path.exists(dirty) and syncs < max_rounds:
+                while queue.pending() and syncs < max_rounds:
                     if window:
                         time.sleep(float(window))
-                    os.unlink(dirty)
-                    log.info("multimaster: key event %s %s: syncing minion keys", act, minion_id)
-                    last = __salt__["multimaster.sync"](only="minion_keys")
+                    ids = queue.take()
+                    if not ids:
+                        break
+                    log.info("multimaster: key event %s %s: syncing the keys of %s",
+                             act, minion_id, "every minion" if ALL in ids else sorted(ids))
+                    last = __salt__["multimaster.sync"](
+                        only="minion_keys",
+                        minion_ids=None if ALL in ids else sorted(ids),
+                    )
                     syncs += 1
                     ok = isinstance(last, dict) and all(
                         not isinstance(v, dict) or v.get("result", True) is not False
@@ -113,10 +152,10 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                         result = False
                         failures = 0
                         continue
-                    _touch(dirty)
+                    queue.put(ids)
                     time.sleep(float(retry_delay))
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        if not os.path.exists(dirty) or syncs >= max_rounds:
+        if not queue.pending() or syncs >= max_rounds:
             break
     return {"queued": False, "syncs": syncs, "result": result, "last": last}

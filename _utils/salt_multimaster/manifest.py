@@ -245,6 +245,40 @@ def looks_like_pem(data):
     return data.lstrip().startswith(b"-----BEGIN ") and b"-----END " in data
 
 
+def _key_entry(state, name, full, cache, errors):
+    """
+    The sha256 of one key file, or None when it is not a key Salt would use
+    (the reason goes to ``errors``; dotfiles and non-regular files silently).
+    """
+    if name.startswith("."):
+        return None  # Salt's own .key_cache, our temp files: not keys
+    if not valid_minion_id(name):
+        errors.append(f"{state}/{name!r}: invalid minion id, skipped")
+        return None
+    if os.path.islink(full):
+        errors.append(f"{state}/{name}: symlinked key file, skipped (Salt ignores it)")
+        return None
+    try:
+        st = os.stat(full)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        before = cache.hashed
+        sha = cache.sha256(full, st, hasher=key_sha_file)
+        if cache.hashed != before and state != "minions_autosign":
+            # checked once, when hashed; a rejected file is never cached
+            with open(full, "rb") as fh:
+                if not looks_like_pem(fh.read(4096)):
+                    del cache.entries[full]
+                    errors.append(f"{state}/{name}: not a PEM public key, skipped")
+                    return None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        errors.append(f"{state}/{name}: unreadable: {exc.strerror}")
+        return None
+    return sha
+
+
 def keys_manifest(pki_dir, cache, seen=None, errors=None):
     """
     ``{state_dir: {minion_id: sha256}}`` for a master's minion key dirs.
@@ -265,32 +299,31 @@ def keys_manifest(pki_dir, cache, seen=None, errors=None):
             continue
         for name in names:
             full = os.path.join(path, name)
-            if name.startswith("."):
-                continue  # Salt's own .key_cache, our temp files: not keys
-            if not valid_minion_id(name):
-                errors.append(f"{state}/{name!r}: invalid minion id, skipped")
-                continue
-            if os.path.islink(full):
-                errors.append(f"{state}/{name}: symlinked key file, skipped (Salt ignores it)")
-                continue
-            try:
-                st = os.stat(full)
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                before = cache.hashed
-                sha = cache.sha256(full, st, hasher=key_sha_file)
-                if cache.hashed != before and state != "minions_autosign":
-                    # checked once, when hashed; a rejected file is never cached
-                    with open(full, "rb") as fh:
-                        if not looks_like_pem(fh.read(4096)):
-                            del cache.entries[full]
-                            errors.append(f"{state}/{name}: not a PEM public key, skipped")
-                            continue
-            except OSError as exc:
-                errors.append(f"{state}/{name}: unreadable: {exc.strerror}")
+            sha = _key_entry(state, name, full, cache, errors)
+            if sha is None:
                 continue
             if seen is not None:
                 seen.append(full)
             entries[name] = sha
         ret[state] = entries
+    return ret
+
+
+def keys_state(pki_dir, ids, errors=None):
+    """
+    :py:func:`keys_manifest` restricted to ``ids``: a few stat calls per id
+    instead of a listing of every key dir (the reactor's one-key syncs).
+    Invalid ids are reported in ``errors`` and left out.
+    """
+    errors = errors if errors is not None else []
+    cache = HashCache()
+    ret = {state: {} for state in KEY_STATES}
+    for mid in ids:
+        if not valid_minion_id(mid):
+            errors.append(f"{mid!r}: invalid minion id, skipped")
+            continue
+        for state in KEY_STATES:
+            sha = _key_entry(state, mid, os.path.join(pki_dir, state, mid), cache, errors)
+            if sha is not None:
+                ret[state][mid] = sha
     return ret

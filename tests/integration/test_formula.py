@@ -427,7 +427,7 @@ def test_key_burst_is_coalesced(frr):
     try:
         for mid in ids:
             assert _wait(lambda mid=mid: mid in frr.keys(frr.primary)["minions_pre"])
-        before = log.read_text(errors="replace").count("syncing minion keys")
+        before = log.read_text(errors="replace").count("syncing the keys of")
         ret = frr.salt_key(frr.primary, "-A", "-y")
         assert ret.returncode == 0, ret
         for mid in ids:
@@ -436,7 +436,7 @@ def test_key_burst_is_coalesced(frr):
             assert frr.wait_ping(frr.peers[0], mid, deadline=120), mid
         # a few seconds for any queued round to finish, then count the syncs
         time.sleep(5)
-        syncs = log.read_text(errors="replace").count("syncing minion keys") - before
+        syncs = log.read_text(errors="replace").count("syncing the keys of") - before
         assert 1 <= syncs < len(ids), syncs
     finally:
         for m in minions:

@@ -237,6 +237,65 @@ def test_conflicts_are_reported_and_forced(cluster):
     assert cluster.keys(peer) == cluster.keys(cluster.primary)
 
 
+def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
+    """minion_ids (what the salt/key reactor passes): one publish, same plan."""
+    pki = cluster.pki_dir(cluster.primary)
+    (pki / "minions" / "tgt1").write_bytes(gen_keypair(1024)[1])
+    (pki / "minions" / "untargeted").write_bytes(gen_keypair(1024)[1])
+    before = [_snapshot(p) for p in cluster.peers]
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1", "test=True")
+    assert ret.returncode == 0, ret
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id] == {"result": True, "minion_keys": {
+            "added": ["minions/tgt1"], "updated": [], "removed": [], "conflicts": [], "errors": []}}
+    assert [_snapshot(p) for p in cluster.peers] == before
+
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
+    assert ret.returncode == 0, ret
+    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+        assert ret.data[pm.id]["minion_keys"]["added"] == ["minions/tgt1"], ret.data
+        ppki = cluster.pki_dir(peer)
+        assert (ppki / "minions" / "tgt1").read_bytes() == (pki / "minions" / "tgt1").read_bytes()
+        assert not (ppki / "minions" / "untargeted").exists()
+
+    # rejected on the primary: moved on the peers, the old file backed up
+    (pki / "minions" / "tgt1").rename(pki / "minions_rejected" / "tgt1")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
+    assert ret.returncode == 0, ret
+    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+        res = ret.data[pm.id]
+        assert res["minion_keys"]["added"] == ["minions_rejected/tgt1"], res
+        assert res["minion_keys"]["removed"] == ["minions/tgt1"], res
+        assert (pathlib.Path(res["backup"]) / "minion_keys" / "minions" / "tgt1").exists()
+        assert not (cluster.pki_dir(peer) / "minions" / "tgt1").exists()
+
+    # a different key for the id on a peer is a conflict there, untouched
+    peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
+    other = gen_keypair(1024)[1]
+    (cluster.pki_dir(peer0) / "minions" / "tgt2").write_bytes(other)
+    (pki / "minions" / "tgt2").write_bytes(gen_keypair(1024)[1])
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt2")
+    assert ret.data[pm0.id]["minion_keys"]["conflicts"][0].startswith("minions/tgt2:")
+    assert (cluster.pki_dir(peer0) / "minions" / "tgt2").read_bytes() == other
+    assert ret.data[cluster.peer_minions[1].id]["minion_keys"]["added"] == ["minions/tgt2"]
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt2", "force=True")
+    assert ret.returncode == 0, ret
+    assert ret.data[pm0.id]["minion_keys"]["updated"] == ["minions/tgt2"]
+
+    # bad input names it and writes nothing
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=ok1,../evil")
+    assert ret.returncode != 0 and "'../evil'" in ret.data["error"], ret
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1",
+                           "only=file_roots")
+    assert ret.returncode != 0 and "file_roots" in ret.data["error"], ret
+    for name in ("minions_rejected/tgt1", "minions/tgt2", "minions/untargeted"):
+        (pki / name).unlink()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
+    assert ret.returncode == 0, ret
+    for peer in cluster.peers:
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+
+
 def test_bad_input_names_it(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,bogus")
     assert ret.returncode != 0

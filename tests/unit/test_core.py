@@ -90,6 +90,24 @@ def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
     assert any("junk" in e and "PEM" in e for e in errors)
 
 
+def test_keys_state_is_keys_manifest_of_chosen_ids(tmp_path):
+    pki = tmp_path / "pki"
+    for state in ("minions", "minions_pre", "minions_denied"):
+        (pki / state).mkdir(parents=True)
+    pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
+    (pki / "minions" / "web1").write_bytes(pub)
+    (pki / "minions_denied" / "web1").write_bytes(other)
+    (pki / "minions_pre" / "web2").write_bytes(other)
+    (pki / "minions" / "junk").write_text("not a key")
+    errors = []
+    man = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=[])
+    chosen = manifest.keys_state(str(pki), ["web1", "absent", "junk", "../x"], errors=errors)
+    assert chosen == {s: {m: v for m, v in man[s].items() if m == "web1"}
+                      for s in manifest.KEY_STATES}
+    assert chosen["minions_denied"] == {"web1": manifest.key_sha(other)}
+    assert [e.split(":")[0] for e in errors] == ["minions/junk", "'../x'"]
+
+
 def test_seal_roundtrip_and_binding():
     priv, pub = gen_keypair(2048)
     blob = seal.seal(pub, b"master.pem bytes", "peer1", "master_keys/master.pem")

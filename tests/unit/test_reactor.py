@@ -85,18 +85,21 @@ def _runner(tmp_path, sync):
 
 def test_key_event_runs_one_sync(tmp_path):
     calls = []
-    mod = _runner(tmp_path, lambda only: calls.append(only) or {"m02": {"result": True}})
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append((only, minion_ids))
+                  or {"m02": {"result": True}})
     assert mod.key_event(act="accepted", minion_id="a", window=0) == {
         "queued": False, "syncs": 1, "result": True, "last": {"m02": {"result": True}},
     }
-    assert calls == ["minion_keys"]
+    assert calls == [("minion_keys", ["a"])]
     assert mod.key_event(act="bogus") == {"ignored": "act 'bogus'"}
-    assert calls == ["minion_keys"]
+    assert mod.key_event(act="delete", window=0)["syncs"] == 1
+    # an event without a minion id syncs every key
+    assert calls == [("minion_keys", ["a"]), ("minion_keys", None)]
 
 
 def test_key_event_reports_failed_sync(tmp_path):
     calls = []
-    mod = _runner(tmp_path, lambda only: calls.append(only) or {"m02": {"result": False},
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(only) or {"m02": {"result": False},
                                                                  "retcode": 1})
     ret = mod.key_event(act="delete", window=0, retries=2, retry_delay=0)
     assert ret["result"] is False and ret["syncs"] == 3 and len(calls) == 3
@@ -105,10 +108,12 @@ def test_key_event_reports_failed_sync(tmp_path):
 def test_key_event_retries_a_transient_failure(tmp_path):
     answers = iter([{"m02": {"result": False, "error": "no return"}, "retcode": 1},
                     {"m02": {"result": True}}])
-    mod = _runner(tmp_path, lambda only: next(answers))
-    ret = mod.key_event(act="accepted", window=0, retry_delay=0)
+    calls = []
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or next(answers))
+    ret = mod.key_event(act="accepted", minion_id="a", window=0, retry_delay=0)
     assert ret == {"queued": False, "syncs": 2, "result": True,
                    "last": {"m02": {"result": True}}}
+    assert calls == [["a"], ["a"]]  # the retry covers the same key
 
 
 def test_key_event_burst_is_coalesced(tmp_path):
@@ -116,8 +121,8 @@ def test_key_event_burst_is_coalesced(tmp_path):
     started, release = threading.Event(), threading.Event()
     calls = []
 
-    def sync(only):
-        calls.append(only)
+    def sync(only, minion_ids):
+        calls.append(minion_ids)
         if len(calls) == 1:
             started.set()
             release.wait(10)
@@ -126,7 +131,7 @@ def test_key_event_burst_is_coalesced(tmp_path):
     mod = _runner(tmp_path, sync)
     results = []
     first = threading.Thread(
-        target=lambda: results.append(mod.key_event(act="accepted", window=0))
+        target=lambda: results.append(mod.key_event(act="accepted", minion_id="a", window=0))
     )
     first.start()
     assert started.wait(10)
@@ -135,29 +140,30 @@ def test_key_event_burst_is_coalesced(tmp_path):
     release.set()
     first.join(10)
     assert results[0]["syncs"] == 2
-    assert len(calls) == 2
+    # the second sync covers the whole burst, in one targeted run
+    assert calls == [["a"], [f"m{i}" for i in sorted(range(20), key=str)]]
 
 
 def test_key_event_event_after_release_is_not_lost(tmp_path):
     """An event whose lock attempt fails just before release is picked up."""
-    mod = _runner(tmp_path, lambda only: {"m02": {"result": True}})
+    mod = _runner(tmp_path, lambda only, minion_ids: {"m02": {"result": True}})
     calls = []
 
-    def sync(only):
-        calls.append(only)
+    def sync(only, minion_ids):
+        calls.append(minion_ids)
         if len(calls) == 1:
             # an event arrives during this sync: it marks dirty, lock is busy
-            assert mod.key_event(act="accepted", window=0)["queued"] is True
+            assert mod.key_event(act="accepted", minion_id="b", window=0)["queued"] is True
         return {}
 
     mod.__salt__["multimaster.sync"] = sync
-    ret = mod.key_event(act="accepted", window=0)
-    assert ret["syncs"] == 2 and len(calls) == 2
+    ret = mod.key_event(act="accepted", minion_id="a", window=0)
+    assert ret["syncs"] == 2 and calls == [["a"], ["b"]]
 
 
 def test_key_event_window_absorbs_burst(tmp_path):
     calls = []
-    mod = _runner(tmp_path, lambda only: calls.append(time.time()) or {})
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(time.time()) or {})
     slept = []
     with patch.object(mod.time, "sleep", slept.append):
         assert mod.key_event(act="accepted")["syncs"] == 1
