@@ -8,14 +8,18 @@ Run standalone (it drives pytest and the repository's real-daemon fixtures)::
     .venv/bin/python bench/bench_reactor.py            # 20 trials
     MM_BENCH_TRIALS=40 .venv/bin/python bench/bench_reactor.py
 
-Each trial: a new minion of both masters whose key is pending on both; the
-clock starts right before ``salt-key -a <id> -y`` runs on the primary and
-stops when ``test.ping`` through the peer returns True (an in-process
-LocalClient on the peer, pinging as soon as the minion's start event reaches
-the peer, re-pinging every second otherwise).  Prints p50/p90/p99/max and
-writes JSON to bench/results/ (goal: p50 <= 2 s, p99 <= 5 s).
+Each trial: a new minion of both masters whose key is pending on both;
+``salt-key -a <id> -y`` runs on the primary.  The clock starts at the accept
+(the ``_stamp`` of the primary's ``salt/key`` event, fired once the key is
+moved) and stops when ``test.ping`` through the peer returns True (an
+in-process LocalClient on the peer, pinging as soon as the minion's start
+event reaches the peer, re-pinging every second otherwise).  The time from
+the start of the ``salt-key`` command (its Python start-up, ~1 s) is reported
+beside it, and each trial's phases.  Prints p50/p90/p99/max and writes JSON to
+bench/results/ (goal: p50 <= 2 s, p99 <= 5 s).
 """
 
+import datetime
 import json
 import os
 import pathlib
@@ -28,6 +32,11 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRIALS = int(os.environ.get("MM_BENCH_TRIALS", "20"))
 BATCH = int(os.environ.get("MM_BENCH_BATCH", "5"))
+# The minions' sign-in retry while their key is pending on a master, as the
+# formula writes it from pillar multimaster:minion (pillar.example): it bounds
+# how soon a minion signs in to the peer once the key arrived there.  Salt's
+# default is 10 s.  MM_BENCH_ACCEPT_WAIT=10,0 measures Salt's default.
+ACCEPT_WAIT = [float(v) for v in os.environ.get("MM_BENCH_ACCEPT_WAIT", "1,0").split(",")]
 
 
 def _percentile(values, pct):
@@ -87,14 +96,31 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
     events = salt.utils.event.get_master_event(
         peer_opts, peer_opts["sock_dir"], listen=True
     )
-    timings, failures, phases = [], [], []
+    primary_opts = salt.config.client_config(str(cluster.primary.config_file))
+    key_events = salt.utils.event.get_master_event(
+        primary_opts, primary_opts["sock_dir"], listen=True
+    )
+
+    def accepted_at(mid):
+        """When the primary fired salt/key for the accept (its _stamp, UTC)."""
+        end = time.time() + 10
+        while time.time() < end:
+            ev = key_events.get_event(wait=0.5, tag="salt/key", full=True)
+            if ev and ev["data"].get("id") == mid and ev["data"].get("act") in ("accept", "accepted"):
+                stamp = datetime.datetime.fromisoformat(ev["data"]["_stamp"])
+                return stamp.replace(tzinfo=datetime.timezone.utc).timestamp()
+        return None
+    timings, from_cli, failures, phases = [], [], [], []
     trial = 0
     try:
         while trial < TRIALS:
             ids = [f"bre-m{trial + i:03d}" for i in range(min(BATCH, TRIALS - trial))]
             minions = []
             for mid in ids:
-                minion = cluster._minion(mid, cluster.masters, {})  # pylint: disable=protected-access
+                minion = cluster._minion(mid, cluster.masters, {  # pylint: disable=protected-access
+                    "acceptance_wait_time": ACCEPT_WAIT[0],
+                    "acceptance_wait_time_max": ACCEPT_WAIT[1],
+                })
                 minion.get_check_events = lambda: []
                 minion.start()
                 minions.append(minion)
@@ -108,6 +134,7 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
                     ret = cluster.salt_key(cluster.primary, "-a", mid, "-y")
                     assert ret.returncode == 0, ret
                     keyed = time.time()
+                    accept = accepted_at(mid) or keyed
                     answered = synced = connected = None
                     end = start + 60
                     while time.time() < end and synced is None:
@@ -130,24 +157,29 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
                             break
                     if answered is not None:
                         phases.append({
-                            "salt_key": keyed - start,
-                            "reactor_sync": (synced or keyed) - keyed,
-                            "minion_reauth": (connected or synced or keyed) - (synced or keyed),
-                            "ping": answered - (connected or synced or keyed),
+                            "salt_key_cli_startup": accept - start,
+                            "reactor_sync": (synced or accept) - accept,
+                            "minion_reauth": (connected or synced or accept) - (synced or accept),
+                            "ping": answered - (connected or synced or accept),
                         })
                     if answered is None:
                         failures.append(mid)
                     else:
-                        timings.append(answered - start)
+                        timings.append(answered - accept)
+                        from_cli.append(answered - start)
                     with capsys.disabled():
                         print(f"trial {trial:2d} {mid}: "
-                              f"{'%.2f s' % (answered - start) if answered else 'NO ANSWER'}",
+                              + (f"{answered - accept:.2f} s from the accept, "
+                                 f"{answered - start:.2f} s from salt-key's start; "
+                                 + " ".join(f"{k} {v:.2f}" for k, v in phases[-1].items())
+                                 if answered else "NO ANSWER"),
                               flush=True)
             finally:
                 for minion in minions:
                     minion.terminate()
     finally:
         events.destroy()
+        key_events.destroy()
         cluster.stop()
     report = {
         "trials": TRIALS,
@@ -159,9 +191,16 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
         "max": round(max(timings), 3) if timings else None,
         "mean": round(statistics.mean(timings), 3) if timings else None,
         "timings": [round(t, 3) for t in timings],
+        "from_salt_key_start": {
+            "p50": round(_percentile(from_cli, 50), 3),
+            "p99": round(_percentile(from_cli, 99), 3),
+            "timings": [round(t, 3) for t in from_cli],
+        },
+        "acceptance_wait_time": ACCEPT_WAIT,
+        "phases": [{k: round(v, 3) for k, v in p.items()} for p in phases],
         "phases_p50": {
             k: round(_percentile([p[k] for p in phases], 50), 3)
-            for k in ("salt_key", "reactor_sync", "minion_reauth", "ping")
+            for k in ("salt_key_cli_startup", "reactor_sync", "minion_reauth", "ping")
         } if phases else {},
         "goal": {"p50": 2.0, "p99": 5.0},
     }
@@ -170,10 +209,13 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
     (out / f"bench_reactor-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
         json.dumps(report, indent=2))
     with capsys.disabled():
-        print("\naccept on primary -> first answer through the peer "
+        print("\naccept on the primary (its salt/key event) -> first answer through the peer "
               f"({len(timings)}/{TRIALS} answered): p50 {report['p50']} s, "
               f"p90 {report['p90']} s, p99 {report['p99']} s, max {report['max']} s "
               "(goal p50 <= 2 s, p99 <= 5 s)", flush=True)
+        print(f"from the start of the salt-key command: p50 {report['from_salt_key_start']['p50']} s,"
+              f" p99 {report['from_salt_key_start']['p99']} s "
+              f"(minions' acceptance_wait_time {ACCEPT_WAIT[0]}, max {ACCEPT_WAIT[1]})", flush=True)
         print(f"median phases: {report['phases_p50']}", flush=True)
     assert not failures, failures
 

@@ -46,6 +46,8 @@ SETTINGS = {
     "master_failback_interval": "nonneg_int",
     "retry_dns": "nonneg_number",
     "auth_tries": "pos_int",
+    "acceptance_wait_time": "nonneg_number",
+    "acceptance_wait_time_max": "nonneg_number",
     "verify_master_pubkey_sign": "bool",
     "ipc_mode": "ipc_mode",
     "tcp_pub_port": "ports",
