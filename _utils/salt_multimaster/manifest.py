@@ -145,6 +145,8 @@ class Ignore:
             glob = [glob]
         self.regex = [re.compile(r) for r in regex]
         self.glob = list(glob)
+        # fnmatch.fnmatch of each glob, as one match (POSIX: no case folding)
+        self._glob = re.compile("|".join(fnmatch.translate(g) for g in glob)) if glob else None
 
     @classmethod
     def from_opts(cls, opts):
@@ -152,9 +154,10 @@ class Ignore:
 
     def __call__(self, rel, full):
         for candidate in (rel, full):
-            if any(r.search(candidate) for r in self.regex):
-                return True
-            if any(fnmatch.fnmatch(candidate, g) for g in self.glob):
+            for regex in self.regex:
+                if regex.search(candidate):
+                    return True
+            if self._glob is not None and self._glob.match(candidate):
                 return True
         return False
 
@@ -165,7 +168,8 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
 
     The first root holding a path wins, as in Salt's roots fileserver.
     Symlinks are followed only while their target stays inside the root;
-    others are reported in ``errors`` and left out.
+    others are reported in ``errors`` and left out.  One ``stat`` per file
+    and one ``realpath`` per directory: unchanged files are never read.
     """
     ret = {}
     errors = errors if errors is not None else []
@@ -173,43 +177,58 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
         if not os.path.isdir(root):
             continue
         real_root = os.path.realpath(root)
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        inside = real_root.rstrip(os.sep) + os.sep
+        stack = [("", root, frozenset())]
+        while stack:
+            rel_dir, dirpath, ancestors = stack.pop()
             real_dir = os.path.realpath(dirpath)
-            if real_dir != real_root and not real_dir.startswith(real_root + os.sep):
-                rel_dir = os.path.relpath(dirpath, root)
+            if real_dir != real_root and not real_dir.startswith(inside):
                 errors.append(f"{root}: {rel_dir}: symlinked directory leads outside the root, not replicated")
-                dirnames[:] = []
                 continue
-            rel_dir = os.path.relpath(dirpath, root)
-            for name in dirnames[:]:
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                if ignore(rel + "/", os.path.join(dirpath, name) + "/") or ignore(rel, os.path.join(dirpath, name)):
-                    dirnames.remove(name)
-            for name in filenames:
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                full = os.path.join(dirpath, name)
+            if real_dir in ancestors:
+                continue  # a symlink loop inside the root
+            ancestors = ancestors | {real_dir}
+            try:
+                entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+            except OSError as exc:
+                errors.append(f"{root}: {rel_dir or '.'}: {exc.strerror}")
+                continue
+            subdirs = []
+            for entry in entries:
+                name = entry.name
+                rel = f"{rel_dir}/{name}" if rel_dir else name
+                full = entry.path
+                try:
+                    is_dir = entry.is_dir()  # follows symlinks, as Salt does
+                except OSError:
+                    is_dir = False
+                if is_dir:
+                    if not (ignore(rel + "/", full + "/") or ignore(rel, full)):
+                        subdirs.append((rel, full, ancestors))
+                    continue
                 if rel in ret or ignore(rel, full):
                     continue
-                if os.path.islink(full):
-                    target = os.path.realpath(full)
-                    if not target.startswith(real_root + os.sep):
-                        errors.append(f"{root}: {rel}: symlink leads outside the root, not replicated")
-                        continue
+                link = entry.is_symlink()
+                real = os.path.realpath(full) if link else os.path.join(real_dir, name)
+                if link and not real.startswith(inside):
+                    errors.append(f"{root}: {rel}: symlink leads outside the root, not replicated")
+                    continue
                 try:
-                    st = os.stat(full)
+                    st = entry.stat()
                 except OSError as exc:
                     errors.append(f"{root}: {rel}: {exc.strerror}")
                     continue
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 try:
-                    sha = cache.sha256(os.path.realpath(full), st)
+                    sha = cache.sha256(real, st)
                 except OSError as exc:
                     errors.append(f"{root}: {rel}: unreadable: {exc.strerror}")
                     continue
                 if seen is not None:
-                    seen.append(os.path.realpath(full))
+                    seen.append(real)
                 ret[rel] = [st.st_size, stat.S_IMODE(st.st_mode), sha]
+            stack.extend(reversed(subdirs))
     return ret
 
 

@@ -77,6 +77,23 @@ def test_tree_manifest_ignores_and_confines_symlinks(tmp_path):
     assert again.hashed == 0  # unchanged files are statted, never re-hashed
 
 
+def test_tree_manifest_follows_inner_dir_symlinks_once_and_globs_in_subdirs(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub" / "deep").mkdir(parents=True)
+    (root / "sub" / "deep" / "x.sls").write_text("x")
+    (root / "sub" / "deep" / "x.sls.swp").write_text("s")
+    (root / "sub" / "loop").symlink_to("..")  # a loop inside the root
+    (root / "alias").symlink_to("sub/deep")  # served twice, as Salt does
+    (tmp_path / "away").mkdir()
+    (root / "out").symlink_to(tmp_path / "away")
+    errors = []
+    man = manifest.tree_manifest([str(root)], manifest.Ignore(None, ["*.swp"]),
+                                 manifest.HashCache(), errors=errors)
+    assert sorted(man) == ["alias/x.sls", "sub/deep/x.sls"]
+    assert [e.split(": ", 1)[1] for e in errors] == [
+        "out: symlinked directory leads outside the root, not replicated"]
+
+
 def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
     pki = tmp_path / "pki"
     (pki / "minions").mkdir(parents=True)
