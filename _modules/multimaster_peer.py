@@ -194,6 +194,7 @@ class _Applier:
         self.backed_up = False
         self._minion_key = None
         self.batch = fsutil.Batch()
+        self.puller = None
 
     def minion_key(self):
         if self._minion_key is None:
@@ -243,10 +244,10 @@ def _outcome(report):
     return {"errors": errors, "failed": report["failed"]}
 
 
-def _op_bytes(app, op, purpose):
+def _op_bytes(app, op, purpose, cat=None):
     """The content of a write operation, however it travelled."""
-    if "raw" in op:
-        return op["raw"]
+    if op.get("pull") and app.puller is not None:
+        return app.puller.get(cat, op)
     if "sealed" in op:
         return app.open_sealed(op["sealed"], purpose)
     if "data" in op:
@@ -265,7 +266,7 @@ def _apply_minion_keys(app, ops):
             path = fsutil.safe_join(pki, rel)
             if op["op"] == replicate.WRITE:
                 fsutil.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
-                app.write(path, _op_bytes(app, op, f"minion_keys/{rel}"), 0o644,
+                app.write(path, _op_bytes(app, op, f"minion_keys/{rel}", "minion_keys"), 0o644,
                           f"minion_keys/{rel}", op["sha256"], hasher=manifest.key_sha)
             else:
                 app.remove(path, f"minion_keys/{rel}")
@@ -377,7 +378,7 @@ def _apply_tree(app, cat, ops):
     report = _report()
     roots = app.mopts.get(cat) or {}
     fetched = _fetch([op for op in ops if op["op"] == replicate.WRITE
-                      and "sealed" not in op and "raw" not in op and op.get("env") in roots])
+                      and "sealed" not in op and not op.get("pull") and op.get("env") in roots])
     for op in ops:
         rel = f"{op['env']}:{op['rel']}"
         try:
@@ -392,8 +393,8 @@ def _apply_tree(app, cat, ops):
                 report["removed"].append(rel)
                 continue
             target = current or fresh
-            if "sealed" in op or "raw" in op:
-                data = _op_bytes(app, op, f"{cat}/{op['env']}/{op['rel']}")
+            if "sealed" in op or op.get("pull"):
+                data = _op_bytes(app, op, f"{cat}/{op['env']}/{op['rel']}", cat)
             else:
                 cached = fetched[id(op)]
                 if isinstance(cached, Exception):
@@ -457,41 +458,119 @@ def _restart_master():
     return "restart_required"
 
 
-PULL_CHUNK = 2000
+# One pull request asks for at most this much content (or this many items).
+PULL_CHUNK_BYTES = 8 * 1024 * 1024
+PULL_CHUNK_ITEMS = 5000
 
 
-def _pull(app, ops, token):
+def _pull_key(cat, op):
+    if cat == "minion_keys":
+        return f"{cat}/{op['state']}/{op['id']}"
+    return f"{cat}/{op['env']}/{op['rel']}"
+
+
+class _Puller:
     """
-    Fetch the contents of operations marked ``pull`` from the primary through
-    ``multimaster.pull`` (peer_run): a request-channel round trip to the
-    primary only, its reply sealed to this minion's key.
+    Contents of the operations marked ``pull``, fetched from the primary
+    through ``multimaster.pull`` (peer_run: a request-channel round trip to
+    the primary only, its reply sealed to this minion's key) in chunks of
+    about 8 MiB, in the order the operations are applied; the next chunk is
+    fetched while the current one is written, and only two are held in
+    memory.
     """
-    import base64  # pylint: disable=import-outside-toplevel
-    import json  # pylint: disable=import-outside-toplevel
 
-    wanted = {}
-    for cat, cat_ops in ops.items():
-        for op in cat_ops:
-            if op.get("pull"):
-                key = (f"{cat}/{op['state']}/{op['id']}" if cat == "minion_keys"
-                       else f"{cat}/{op['env']}/{op['rel']}")
-                wanted[key] = op
-    names = sorted(wanted)
-    for start in range(0, len(names), PULL_CHUNK):
-        chunk = names[start:start + PULL_CHUNK]
+    def __init__(self, app, ops, token):
+        import concurrent.futures  # pylint: disable=import-outside-toplevel
+
+        self.app, self.token = app, token
+        self.chunks, self.chunk_of = [], {}
+        current, size = [], 0
+        for cat, cat_ops in ops.items():
+            for op in cat_ops:
+                if not op.get("pull"):
+                    continue
+                key = _pull_key(cat, op)
+                weight = op.get("size") or 1024
+                if current and (size + weight > PULL_CHUNK_BYTES or len(current) >= PULL_CHUNK_ITEMS):
+                    self.chunks.append(current)
+                    current, size = [], 0
+                self.chunk_of[key] = len(self.chunks)
+                current.append(key)
+                size += weight
+        if current:
+            self.chunks.append(current)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.futures = {}
+        self.loaded, self.contents = None, {}
+
+    def _request(self, index):
+        import base64  # pylint: disable=import-outside-toplevel
+        import json  # pylint: disable=import-outside-toplevel
+
+        import msgpack  # pylint: disable=import-outside-toplevel
+
         request = base64.urlsafe_b64encode(
-            json.dumps({"token": token, "items": chunk}).encode()
+            json.dumps({"token": self.token, "items": self.chunks[index]}).encode()
         ).decode().rstrip("=")
-        reply = __salt__["publish.runner"]("multimaster.pull", arg=[f"request={request}"], timeout=60)
+        try:
+            reply = __salt__["publish.runner"]("multimaster.pull", arg=[f"request={request}"], timeout=120)
+        except Exception as exc:  # pylint: disable=broad-except
+            raise CommandExecutionError(f"pull from the primary failed: {exc}") from exc
         if not isinstance(reply, dict) or "sealed" not in reply:
             raise CommandExecutionError(
                 "the primary refused multimaster.pull "
                 f"({reply.get('error') if isinstance(reply, dict) and reply else 'check its peer_run'})"
             )
-        contents = json.loads(app.open_sealed(reply["sealed"], f"pull/{token}"))
-        for key in chunk:
-            if key in contents:
-                wanted[key]["raw"] = base64.b64decode(contents[key])
+        return msgpack.unpackb(self.app.open_sealed(reply["sealed"], f"pull/{self.token}"), raw=False)
+
+    def _future(self, index):
+        import contextvars  # pylint: disable=import-outside-toplevel
+
+        if index not in self.futures and index < len(self.chunks):
+            # Salt's loader dunders (__salt__, __opts__) live in context
+            # variables: run the request in a copy of this thread's context
+            self.futures[index] = self.pool.submit(
+                contextvars.copy_context().run, self._request, index)
+        return self.futures.get(index)
+
+    def get(self, cat, op):
+        key = _pull_key(cat, op)
+        index = self.chunk_of.get(key)
+        if index is None:
+            raise CommandExecutionError("content missing (not pulled from the primary)")
+        if index != self.loaded:
+            future = self._future(index)
+            self._future(index + 1)  # prefetch
+            self.contents = None
+            self.contents = future.result()
+            self.futures.pop(index, None)
+            self.loaded = index
+        data = self.contents.get(key)
+        if data is None:
+            raise CommandExecutionError("the primary did not serve it (changed during the sync?)")
+        return data
+
+    def close(self):
+        for future in self.futures.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+def _apply_categories(app, ops, topology):
+    ret = {}
+    for cat, cat_ops in ops.items():
+        if cat == "minion_keys":
+            ret[cat] = _apply_minion_keys(app, cat_ops)
+        elif cat in ("file_roots", "pillar_roots"):
+            ret[cat] = _apply_tree(app, cat, cat_ops)
+        elif cat == "master_keys":
+            ret[cat] = _apply_master_keys(app, cat_ops, topology)
+        elif cat == "master_config":
+            ret[cat] = _apply_master_config(app, cat_ops)
+        else:
+            ret[cat] = _report()
+            ret[cat]["errors"].append(f"unknown category: {cat!r}")
+    return ret
 
 
 def apply(ops, topology="shared", pull_token=None):
@@ -510,22 +589,17 @@ def apply(ops, topology="shared", pull_token=None):
     """
     mopts = _master_opts()
     app = _Applier(mopts)
-    ret = {}
     ops = ops or {}
     if pull_token:
-        _pull(app, ops, pull_token)
-    for cat, cat_ops in ops.items():
-        if cat == "minion_keys":
-            ret[cat] = _apply_minion_keys(app, cat_ops)
-        elif cat in ("file_roots", "pillar_roots"):
-            ret[cat] = _apply_tree(app, cat, cat_ops)
-        elif cat == "master_keys":
-            ret[cat] = _apply_master_keys(app, cat_ops, topology)
-        elif cat == "master_config":
-            ret[cat] = _apply_master_config(app, cat_ops)
-        else:
-            ret[cat] = _report()
-            ret[cat]["errors"].append(f"unknown category: {cat!r}")
+        app.puller = _Puller(app, ops, pull_token)
+    try:
+        ret = _apply_categories(app, ops, topology)
+    except BaseException:
+        app.batch.abort()  # no temporary file left behind
+        raise
+    finally:
+        if app.puller is not None:
+            app.puller.close()
     try:
         app.batch.commit()
     except OSError as exc:

@@ -312,7 +312,7 @@ def _content_path(cat, op):
 
     if cat == "minion_keys":
         return os.path.join(__opts__["pki_dir"], op["state"], op["id"])
-    return manifest.locate(__opts__["pillar_roots"][op["env"]], op["rel"])
+    return manifest.locate(__opts__[cat][op["env"]], op["rel"])
 
 
 def _item(cat, op):
@@ -325,12 +325,14 @@ def _attach_contents(peer, ops, primary, inline_limit):
     """
     Fill write operations with their contents.
 
-    Private keys are sealed to the peer's minion key; file_roots files are
-    fetched by the peer from this master's fileserver.  Minion keys (public)
-    and pillar files (sealed) ride in the publish while small; past
-    ``inline_limit`` (default 64 KiB) they are pulled by the peer point-to-point through
-    ``multimaster.pull`` when ``peer_run`` allows it.  Return the pull token
-    (or None) and warnings.
+    Private keys are sealed to the peer's minion key.  When ``peer_run``
+    lets the peer call ``multimaster.pull``, the peer pulls file_roots files,
+    and minion keys and pillar files past ``inline_limit`` (default 64 KiB),
+    point-to-point in a few large sealed replies.  Otherwise file_roots files
+    are fetched by the peer from this master's fileserver (a request per
+    file) and keys and pillar files ride in the publish (pillar sealed), with
+    a warning past ``inline_limit``.  Return the pull token (or None) and
+    warnings.
     """
     import json  # pylint: disable=import-outside-toplevel
     import secrets  # pylint: disable=import-outside-toplevel
@@ -340,17 +342,21 @@ def _attach_contents(peer, ops, primary, inline_limit):
 
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         peer_pub = fh.read()
-    bulk = [(cat, op) for cat in ("minion_keys", "pillar_roots")
-            for op in ops.get(cat, []) if op["op"] == "write"]
+    pullable = _pull_allowed(peer)
+    # file_roots files travel through the pull when peer_run allows it (a few
+    # large replies), else through the fileserver (a request per file)
+    bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if pullable else ())
+    bulk = [(cat, op) for cat in bulk_cats for op in ops.get(cat, []) if op["op"] == "write"]
     size = 0
     for cat, op in bulk:
         try:
-            size += os.path.getsize(_content_path(cat, op))
+            size += op["size"] if "size" in op else os.path.getsize(_content_path(cat, op))
         except (OSError, TypeError):
             pass
     token, warnings = None, []
-    if size > inline_limit:
-        if _pull_allowed(peer):
+    files = any(op["op"] == "write" for op in ops.get("file_roots", []))
+    if size > inline_limit or (pullable and files):
+        if pullable:
             token = secrets.token_hex(16)
             pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
             fsutil.makedirs(pull_dir, mode=0o700)
@@ -367,7 +373,7 @@ def _attach_contents(peer, ops, primary, inline_limit):
             )
     for cat, cat_ops in ops.items():
         for op in cat_ops:
-            if op["op"] != "write" or op.get("pull"):
+            if op["op"] != "write" or op.get("pull") or cat == "file_roots":
                 continue
             if cat in ("minion_keys", "pillar_roots"):
                 with open(_content_path(cat, op), "rb") as fh:
@@ -412,6 +418,8 @@ def pull(request):
     import json  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=import-outside-toplevel
 
+    import msgpack  # pylint: disable=import-outside-toplevel
+
     from salt_multimaster import seal  # pylint: disable=import-outside-toplevel
 
     caller = __opts__.get("id")
@@ -438,12 +446,14 @@ def pull(request):
               else {"env": rest.split("/", 1)[0], "rel": rest.split("/", 1)[1]})
         try:
             with open(_content_path(cat, op), "rb") as fh:
-                contents[item] = base64.b64encode(fh.read()).decode()
-        except (OSError, TypeError):
+                contents[item] = fh.read()
+        except (OSError, TypeError, KeyError):
             missing.append(item)
     with open(os.path.join(__opts__["pki_dir"], "minions", caller), encoding="utf-8") as fh:
         peer_pub = fh.read()
-    sealed = seal.seal(peer_pub, json.dumps(contents), caller, f"pull/{token}")
+    # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
+    sealed = seal.seal(peer_pub, msgpack.packb(contents, use_bin_type=True), caller,
+                       f"pull/{token}", binary=True)
     return {"sealed": sealed, "missing": missing}
 
 

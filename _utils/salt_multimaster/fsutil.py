@@ -107,14 +107,17 @@ class Batch:
 
     def commit(self):
         dirs = set()
+        done = 0
         try:
             if self.staged:
                 os.sync()
-            while self.staged:
-                tmp, path = self.staged.pop(0)
+            for tmp, path in self.staged:
                 os.rename(tmp, path)
+                done += 1
                 dirs.add(os.path.dirname(path))
         finally:
+            # on an error, the files not yet renamed are dropped
+            del self.staged[:done]
             self.abort()
         for path in self.removals:
             if remove(path):

@@ -35,8 +35,15 @@ def _aad(receiver, purpose):
     return json.dumps([VERSION, receiver, purpose]).encode()
 
 
-def seal(public_pem, data, receiver, purpose):
-    """Return a text blob that only the holder of the private key opens."""
+BINARY_MAGIC = b"mmseal1b"
+
+
+def seal(public_pem, data, receiver, purpose, binary=False):
+    """
+    Return a text blob that only the holder of the private key opens; with
+    ``binary``, bytes (no base64: for bulk replies, which msgpack carries as
+    they are).
+    """
     if isinstance(data, str):
         data = data.encode("utf-8")
     if isinstance(public_pem, str):
@@ -46,6 +53,8 @@ def seal(public_pem, data, receiver, purpose):
     nonce = os.urandom(12)
     ct = AESGCM(key).encrypt(nonce, data, _aad(receiver, purpose))
     wrapped = pub.encrypt(key, _oaep())
+    if binary:
+        return BINARY_MAGIC + wrapped + nonce + ct
     return "mmseal1:" + ".".join(
         base64.b64encode(x).decode() for x in (wrapped, nonce, ct)
     )
@@ -53,13 +62,22 @@ def seal(public_pem, data, receiver, purpose):
 
 def unseal(private_pem, blob, receiver, purpose):
     """Open a blob from :func:`seal`; raise :class:`SealError` on any mismatch."""
-    if not isinstance(blob, str) or not blob.startswith("mmseal1:"):
+    if isinstance(blob, str) and blob.startswith(BINARY_MAGIC.decode()):
+        # Salt's msgpack layer hands valid UTF-8 bytes back as str
+        blob = blob.encode("utf-8", "surrogateescape")
+    binary = isinstance(blob, bytes) and blob.startswith(BINARY_MAGIC)
+    if not binary and (not isinstance(blob, str) or not blob.startswith("mmseal1:")):
         raise SealError("not a sealed blob")
     if isinstance(private_pem, str):
         private_pem = private_pem.encode()
     try:
-        wrapped, nonce, ct = (base64.b64decode(x) for x in blob[8:].split("."))
         priv = serialization.load_pem_private_key(private_pem, password=None)
+        if binary:
+            size = priv.key_size // 8
+            body = blob[len(BINARY_MAGIC):]
+            wrapped, nonce, ct = body[:size], body[size:size + 12], body[size + 12:]
+        else:
+            wrapped, nonce, ct = (base64.b64decode(x) for x in blob[8:].split("."))
         key = priv.decrypt(wrapped, _oaep())
         return AESGCM(key).decrypt(nonce, ct, _aad(receiver, purpose))
     except Exception as exc:  # pylint: disable=broad-except

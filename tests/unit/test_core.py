@@ -134,6 +134,14 @@ def test_seal_roundtrip_and_binding():
         seal.unseal(priv, blob, "peer2", "master_keys/master.pem")
     with pytest.raises(seal.SealError):
         seal.unseal(gen_keypair(2048)[0], blob, "peer1", "master_keys/master.pem")
+    raw = seal.seal(pub, b"bulk", "peer1", "pull/t", binary=True)
+    assert isinstance(raw, bytes) and b"bulk" not in raw
+    assert seal.unseal(priv, raw, "peer1", "pull/t") == b"bulk"
+    # as Salt's msgpack layer may hand it back: str when valid UTF-8
+    as_text = raw.decode("utf-8", "surrogateescape")
+    assert seal.unseal(priv, as_text, "peer1", "pull/t") == b"bulk"
+    with pytest.raises(seal.SealError):
+        seal.unseal(priv, raw, "peer1", "pull/other")
 
 
 def test_atomic_write_modes_and_safe_join(tmp_path):
