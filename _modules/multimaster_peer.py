@@ -195,6 +195,7 @@ class _Applier:
         self._minion_key = None
         self.batch = fsutil.Batch()
         self.puller = None
+        self.written = []
 
     def minion_key(self):
         if self._minion_key is None:
@@ -209,13 +210,40 @@ class _Applier:
         if fsutil.backup(path, self.backup_root, rel):
             self.backed_up = True
 
-    def write(self, path, data, mode, rel, sha, hasher=None):
+    def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
+        """
+        Stage ``data`` for ``path``; ``cache_path``: the name the manifests
+        give the file in the hash cache, so the next inventory stats it
+        instead of hashing it again.
+        """
         hasher = hasher or (lambda d: hashlib.sha256(d).hexdigest())
         if sha is not None and hasher(data) != sha:
             raise CommandExecutionError(f"{rel}: content does not match its manifest, not written")
         self.backup(path, rel)
         fsutil.makedirs(os.path.dirname(path))
         self.batch.write(path, data, mode=mode)
+        if cache_path and sha is not None:
+            self.written.append((path, cache_path, sha))
+
+    def commit(self):
+        """Make every staged write durable, then record the written files' hashes."""
+        try:
+            self.batch.commit()
+        except OSError as exc:
+            raise CommandExecutionError(
+                f"writing on the peer failed, nothing renamed after: {exc}") from exc
+        if not self.written:
+            return
+        cache = manifest.HashCache(os.path.join(_state_dir(), "hashcache.json"))
+        for path, cache_path, sha in self.written:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            cache.entries[cache_path] = [st.st_ino, st.st_size, st.st_mtime_ns, sha]
+            cache.dirty = True
+        cache.save()
+        self.written = []
 
     def remove(self, path, rel):
         self.backup(path, rel)
@@ -267,7 +295,8 @@ def _apply_minion_keys(app, ops):
             if op["op"] == replicate.WRITE:
                 fsutil.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
                 app.write(path, _op_bytes(app, op, f"minion_keys/{rel}", "minion_keys"), 0o644,
-                          f"minion_keys/{rel}", op["sha256"], hasher=manifest.key_sha)
+                          f"minion_keys/{rel}", op["sha256"], hasher=manifest.key_sha,
+                          cache_path=path)
             else:
                 app.remove(path, f"minion_keys/{rel}")
             report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
@@ -328,10 +357,7 @@ def mirror_keys(keys, force=False, test=False):
             op["data"] = contents[(op["state"], op["id"])]
     app = _Applier(mopts)
     applied = _apply_minion_keys(app, ops)
-    try:
-        app.batch.commit()
-    except OSError as exc:
-        raise CommandExecutionError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+    app.commit()
     _update_history(ops, applied)
     failed = set(applied["failed"])
     for kind in ("added", "updated", "removed"):
@@ -401,7 +427,9 @@ def _apply_tree(app, cat, ops):
                     raise cached
                 with open(cached, "rb") as fh:
                     data = fh.read()
-            app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"])
+            app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"],
+                      cache_path=os.path.join(os.path.realpath(os.path.dirname(target)),
+                                              os.path.basename(target)))
             report["updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
             report["errors"].append(f"{rel}: {exc}")
@@ -458,9 +486,12 @@ def _restart_master():
     return "restart_required"
 
 
-# One pull request asks for at most this much content (or this many items).
-PULL_CHUNK_BYTES = 8 * 1024 * 1024
-PULL_CHUNK_ITEMS = 5000
+# One pull request asks for at most this much content (or this many items):
+# each peer_run call costs the primary a second or two of Salt's own set-up
+# (a MasterMinion with its grains), so few large requests, two in flight.
+PULL_CHUNK_BYTES = 32 * 1024 * 1024
+PULL_CHUNK_ITEMS = 20000
+PULL_AHEAD = 2
 
 
 def _pull_key(cat, op):
@@ -474,9 +505,9 @@ class _Puller:
     Contents of the operations marked ``pull``, fetched from the primary
     through ``multimaster.pull`` (peer_run: a request-channel round trip to
     the primary only, its reply sealed to this minion's key) in chunks of
-    about 8 MiB, in the order the operations are applied; the next chunk is
-    fetched while the current one is written, and only two are held in
-    memory.
+    about 32 MiB, in the order the operations are applied; the next chunks
+    are fetched while the current one is written (two requests in flight),
+    and at most three chunks are held in memory.
     """
 
     def __init__(self, app, ops, token):
@@ -499,7 +530,7 @@ class _Puller:
                 size += weight
         if current:
             self.chunks.append(current)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=PULL_AHEAD)
         self.futures = {}
         self.loaded, self.contents = None, {}
 
@@ -540,7 +571,8 @@ class _Puller:
             raise CommandExecutionError("content missing (not pulled from the primary)")
         if index != self.loaded:
             future = self._future(index)
-            self._future(index + 1)  # prefetch
+            for ahead in range(1, PULL_AHEAD + 1):
+                self._future(index + ahead)
             self.contents = None
             self.contents = future.result()
             self.futures.pop(index, None)
@@ -600,10 +632,7 @@ def apply(ops, topology="shared", pull_token=None):
     finally:
         if app.puller is not None:
             app.puller.close()
-    try:
-        app.batch.commit()
-    except OSError as exc:
-        raise CommandExecutionError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+    app.commit()
     if "minion_keys" in ops:
         _update_history(ops["minion_keys"], ret["minion_keys"])
     changed_daemon_config = any(

@@ -19,6 +19,8 @@ Keyword arguments of each function override it.
 import logging
 import os
 
+from salt.exceptions import SaltInvocationError
+
 log = logging.getLogger(__name__)
 
 __virtualname__ = "multimaster"
@@ -96,7 +98,8 @@ def _conf(kwargs):
     from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
 
     conf = dict(__opts__.get("multimaster") or {})
-    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit"):
+    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit",
+                "pull_min_files"):
         if kwargs.get(key) is not None:
             conf[key] = kwargs[key]
     conf.setdefault("topology", "shared")
@@ -104,7 +107,12 @@ def _conf(kwargs):
     conf.setdefault("master_config_keys", list(replicate.DEFAULT_CONFIG_KEYS))
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
     conf.setdefault("inline_limit", INLINE_LIMIT)
-    conf["timeout"], conf["inline_limit"] = int(conf["timeout"]), int(conf["inline_limit"])
+    conf.setdefault("pull_min_files", PULL_MIN_FILES)
+    for key in ("timeout", "inline_limit", "pull_min_files"):
+        try:
+            conf[key] = int(conf[key])
+        except (TypeError, ValueError):
+            raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
     return conf
@@ -293,6 +301,10 @@ def _plan(conf, categories, primary, inv, force):
 # Contents up to this size ride in the apply publish (sealed where secret);
 # larger ones are pulled by the peer over the request channel (peer_run).
 INLINE_LIMIT = 64 * 1024
+# Past this many file_roots files (or bytes), the peer pulls them in bulk
+# instead of fetching each from the fileserver.
+PULL_MIN_FILES = 100
+PULL_MIN_BYTES = 4 * 1024 * 1024
 PULL_TTL = 600
 
 
@@ -321,13 +333,13 @@ def _item(cat, op):
     return f"{cat}/{op['env']}/{op['rel']}"
 
 
-def _attach_contents(peer, ops, primary, inline_limit):
+def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
     """
     Fill write operations with their contents.
 
     Private keys are sealed to the peer's minion key.  When ``peer_run``
-    lets the peer call ``multimaster.pull``, the peer pulls file_roots files,
-    and minion keys and pillar files past ``inline_limit`` (default 64 KiB),
+    lets the peer call ``multimaster.pull``, the peer pulls file_roots files
+    (past ``pull_min_files``, default 100, or 4 MiB), and minion keys and pillar files past ``inline_limit`` (default 64 KiB),
     point-to-point in a few large sealed replies.  Otherwise file_roots files
     are fetched by the peer from this master's fileserver (a request per
     file) and keys and pillar files ride in the publish (pillar sealed), with
@@ -343,9 +355,13 @@ def _attach_contents(peer, ops, primary, inline_limit):
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         peer_pub = fh.read()
     pullable = _pull_allowed(peer)
-    # file_roots files travel through the pull when peer_run allows it (a few
-    # large replies), else through the fileserver (a request per file)
-    bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if pullable else ())
+    # Many file_roots files travel through the pull when peer_run allows it
+    # (a few large replies; each peer_run call costs Salt a second or two),
+    # a few through the fileserver (a request or two per file).
+    files = [op for op in ops.get("file_roots", []) if op["op"] == "write"]
+    pull_files = pullable and (
+        len(files) > (PULL_MIN_FILES if pull_min_files is None else pull_min_files) or sum(op.get("size", 0) for op in files) > PULL_MIN_BYTES)
+    bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if pull_files else ())
     bulk = [(cat, op) for cat in bulk_cats for op in ops.get(cat, []) if op["op"] == "write"]
     size = 0
     for cat, op in bulk:
@@ -354,8 +370,7 @@ def _attach_contents(peer, ops, primary, inline_limit):
         except (OSError, TypeError):
             pass
     token, warnings = None, []
-    files = any(op["op"] == "write" for op in ops.get("file_roots", []))
-    if size > inline_limit or (pullable and files):
+    if size > inline_limit or pull_files:
         if pullable:
             token = secrets.token_hex(16)
             pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
@@ -488,7 +503,8 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     ret.update(report)
     if any(ops.values()) and not test:
         ops = {c: o for c, o in ops.items() if o}
-        token, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"])
+        token, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"],
+                                           conf["pull_min_files"])
         if warnings:
             ret["warnings"] = warnings
         kwarg = {"ops": ops, "topology": conf["topology"], "pull_token": token}
@@ -594,7 +610,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
     """
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
-    conf = _conf(dict(kwargs, peers=peers))
+    try:
+        conf = _conf(dict(kwargs, peers=peers))
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
     only = _as_list(only)
     ids = sorted(set(_as_list(minion_ids)))
     error = _validate(conf, only)
@@ -666,7 +685,10 @@ def status(peers=None, **kwargs):
     """
     import salt.utils.crypt  # pylint: disable=import-outside-toplevel
 
-    conf = _conf(dict(kwargs, peers=peers))
+    try:
+        conf = _conf(dict(kwargs, peers=peers))
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
     error = _validate(conf, [])
     if error:
         return _invalid(error)
@@ -779,7 +801,6 @@ def audit(
     import salt.utils.minions
     import salt.version
     import salt_multimaster.fleet
-    from salt.exceptions import SaltInvocationError
 
     if not tgt or not isinstance(tgt, (str, list)):
         raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")

@@ -264,21 +264,22 @@ def looks_like_pem(data):
     return data.lstrip().startswith(b"-----BEGIN ") and b"-----END " in data
 
 
-def _key_entry(state, name, full, cache, errors):
+def _key_entry(state, name, full, cache, errors, entry=None):
     """
     The sha256 of one key file, or None when it is not a key Salt would use
     (the reason goes to ``errors``; dotfiles and non-regular files silently).
+    ``entry``: the file's ``os.DirEntry`` when listed (saves a syscall).
     """
     if name.startswith("."):
         return None  # Salt's own .key_cache, our temp files: not keys
     if not valid_minion_id(name):
         errors.append(f"{state}/{name!r}: invalid minion id, skipped")
         return None
-    if os.path.islink(full):
+    if entry.is_symlink() if entry is not None else os.path.islink(full):
         errors.append(f"{state}/{name}: symlinked key file, skipped (Salt ignores it)")
         return None
     try:
-        st = os.stat(full)
+        st = entry.stat() if entry is not None else os.stat(full)
         if not stat.S_ISREG(st.st_mode):
             return None
         before = cache.hashed
@@ -312,18 +313,17 @@ def keys_manifest(pki_dir, cache, seen=None, errors=None):
         path = os.path.join(pki_dir, state)
         entries = {}
         try:
-            names = sorted(os.listdir(path))
+            listing = sorted(os.scandir(path), key=lambda e: e.name)
         except FileNotFoundError:
             ret[state] = entries
             continue
-        for name in names:
-            full = os.path.join(path, name)
-            sha = _key_entry(state, name, full, cache, errors)
+        for entry in listing:
+            sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
             if sha is None:
                 continue
             if seen is not None:
-                seen.append(full)
-            entries[name] = sha
+                seen.append(entry.path)
+            entries[entry.name] = sha
         ret[state] = entries
     return ret
 

@@ -6,6 +6,8 @@ The tests of this module run in order and build on each other, like an
 operator's session.
 """
 
+import hashlib
+import json
 import os
 import pathlib
 import stat
@@ -36,8 +38,11 @@ def cluster(cluster_factory):
         },
     )
     peers = [m.id for m in cluster.peer_minions]
-    # a small inline limit: the initial sync pulls keys and pillar files
-    _set_master_conf(cluster.primary, {"multimaster": {"peers": peers, "inline_limit": 1024}})
+    # a small inline limit: the initial sync pulls keys and pillar files, and
+    # file_roots files in bulk (pull_min_files 2); later syncs of one or two
+    # files fetch them from the fileserver
+    _set_master_conf(cluster.primary, {"multimaster": {
+        "peers": peers, "inline_limit": 1024, "pull_min_files": 2}})
     cluster.start()
     for pm in cluster.peer_minions:
         assert cluster.wait_ping(cluster.primary, pm.id)
@@ -167,6 +172,14 @@ def test_sync_replicates_everything(cluster):
         assert "s3cr3t-pillar" in (cluster.file_root(peer, kind="pillar_roots") / "data.sls").read_text()
         dropin = pathlib.Path(peer.config_file).parent / "master.d" / "multimaster-sync.conf"
         assert "webs" in dropin.read_text()
+        # what was written is in the peer's hash cache: the next inventory
+        # stats it and never reads it again
+        cache = json.loads((pathlib.Path(pm.config["cachedir"]) / "multimaster" /
+                            "hashcache.json").read_text())
+        init = (base / "web" / "init.sls").resolve()
+        st = init.stat()
+        assert cache[str(init)] == [st.st_ino, st.st_size, st.st_mtime_ns,
+                                    hashlib.sha256(init.read_bytes()).hexdigest()]
 
 
 def test_peer_serves_minion_after_restart(cluster):
@@ -300,6 +313,9 @@ def test_bad_input_names_it(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,bogus")
     assert ret.returncode != 0
     assert "bogus" in ret.data["error"]
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "timeout=soon")
+    assert ret.returncode != 0
+    assert "timeout must be an integer, not 'soon'" in str(ret.data) + ret.stdout + ret.stderr
     good = cluster.peer_minions[0].id
     ret = cluster.salt_run(cluster.primary, "multimaster.sync",
                            f"peers={good},nosuchpeer,../evil", "only=minion_keys")
