@@ -494,12 +494,6 @@ PULL_CHUNK_ITEMS = 20000
 PULL_AHEAD = 2
 
 
-def _pull_key(cat, op):
-    if cat == "minion_keys":
-        return f"{cat}/{op['state']}/{op['id']}"
-    return f"{cat}/{op['env']}/{op['rel']}"
-
-
 class _Puller:
     """
     Contents of the operations marked ``pull``, fetched from the primary
@@ -520,7 +514,7 @@ class _Puller:
             for op in cat_ops:
                 if not op.get("pull"):
                     continue
-                key = _pull_key(cat, op)
+                key = replicate.item_name(cat, op)
                 weight = op.get("size") or 1024
                 if current and (size + weight > PULL_CHUNK_BYTES or len(current) >= PULL_CHUNK_ITEMS):
                     self.chunks.append(current)
@@ -565,7 +559,7 @@ class _Puller:
         return self.futures.get(index)
 
     def get(self, cat, op):
-        key = _pull_key(cat, op)
+        key = replicate.item_name(cat, op)
         index = self.chunk_of.get(key)
         if index is None:
             raise CommandExecutionError("content missing (not pulled from the primary)")

@@ -327,12 +327,6 @@ def _content_path(cat, op):
     return manifest.locate(__opts__[cat][op["env"]], op["rel"])
 
 
-def _item(cat, op):
-    if cat == "minion_keys":
-        return f"{cat}/{op['state']}/{op['id']}"
-    return f"{cat}/{op['env']}/{op['rel']}"
-
-
 def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
     """
     Fill write operations with their contents.
@@ -350,7 +344,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
     import secrets  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=import-outside-toplevel
 
-    from salt_multimaster import fsutil, seal  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import fsutil, replicate, seal  # pylint: disable=import-outside-toplevel
 
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         peer_pub = fh.read()
@@ -376,7 +370,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
             pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
             fsutil.makedirs(pull_dir, mode=0o700)
             grant = {"peer": peer, "expires": time.time() + PULL_TTL,
-                     "items": sorted(_item(cat, op) for cat, op in bulk)}
+                     "items": sorted(replicate.item_name(cat, op) for cat, op in bulk)}
             fsutil.atomic_write(os.path.join(pull_dir, token), json.dumps(grant), mode=0o600)
             for _, op in bulk:
                 op["pull"] = True
@@ -396,7 +390,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
                 if cat == "minion_keys":
                     op["data"] = data.decode()
                 else:
-                    op["sealed"] = seal.seal(peer_pub, data, peer, _item(cat, op))
+                    op["sealed"] = seal.seal(peer_pub, data, peer, replicate.item_name(cat, op))
             elif cat == "master_keys":
                 with open(primary[cat]["files"][op["kind"]], "rb") as fh:
                     data = fh.read()

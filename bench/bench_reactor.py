@@ -48,15 +48,6 @@ def _percentile(values, pct):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def _wait(predicate, deadline=120, step=0.1):
-    end = time.time() + deadline
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
-
-
 @pytest.fixture(scope="session")
 def salt_factories_config(mm_root, pip_site):
     """As tests/conftest.py: short root dir, the extension pip-installed for the daemons."""
@@ -72,6 +63,8 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
     import salt.config  # pylint: disable=import-outside-toplevel
     import salt.utils.event  # pylint: disable=import-outside-toplevel
     import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+    from tests.support.cluster import wait_until  # pylint: disable=import-outside-toplevel
 
     cluster = cluster_factory(
         "bre",
@@ -126,8 +119,10 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
                 minions.append(minion)
             try:
                 for mid in ids:
-                    assert _wait(lambda mid=mid: mid in cluster.keys(cluster.primary)["minions_pre"])
-                    assert _wait(lambda mid=mid: mid in cluster.keys(peer)["minions_pre"])
+                    assert wait_until(lambda mid=mid: mid in cluster.keys(cluster.primary)["minions_pre"],
+                                      step=0.1)
+                    assert wait_until(lambda mid=mid: mid in cluster.keys(peer)["minions_pre"],
+                                      step=0.1)
                 for mid in ids:
                     trial += 1
                     start = time.time()

@@ -14,6 +14,13 @@ TOPOLOGIES = ("shared", "signed")
 WRITE, REMOVE = "write", "remove"
 
 
+def item_name(cat, op):
+    """An operation's item as the pull grant and the seals name it."""
+    if cat == "minion_keys":
+        return f"{cat}/{op['state']}/{op['id']}"
+    return f"{cat}/{op['env']}/{op['rel']}"
+
+
 def empty_report():
     return {"added": [], "updated": [], "removed": [], "conflicts": [], "errors": []}
 

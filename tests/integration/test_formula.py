@@ -26,7 +26,7 @@ import salt_multimaster.minion_config
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from tests.support.cluster import master_key_paths
+from tests.support.cluster import master_key_paths, wait_until
 
 pytestmark = pytest.mark.daemons
 
@@ -335,15 +335,6 @@ def _new_minion(cluster, minion_id):
     return minion
 
 
-def _wait(predicate, deadline=120, step=0.5):
-    end = time.time() + deadline
-    while time.time() < end:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
-
-
 def _diag(cluster):
     """Key dirs of the peer and the primary's multimaster log lines, for failures."""
     lines = [
@@ -404,18 +395,18 @@ def test_master_sls_installs_reactor(frr):
 def test_accept_on_primary_alone_reaches_the_peer(frr):
     new = _new_minion(frr, "frr-new1")
     try:
-        assert _wait(lambda: "frr-new1" in frr.keys(frr.primary)["minions_pre"])
-        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions_pre"])
+        assert wait_until(lambda: "frr-new1" in frr.keys(frr.primary)["minions_pre"])
+        assert wait_until(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions_pre"])
         ret = frr.salt_key(frr.primary, "-a", "frr-new1", "-y")
         assert ret.returncode == 0, ret
         # no manual step: the reactor replicates the key, the minion authenticates
-        assert _wait(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"]), _diag(frr)
+        assert wait_until(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"]), _diag(frr)
         assert "frr-new1" not in frr.keys(frr.peers[0])["minions_pre"]
         assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120), _diag(frr)
         # deleting it on the primary reaches the peer too
         ret = frr.salt_key(frr.primary, "-d", "frr-new1", "-y")
         assert ret.returncode == 0, ret
-        assert _wait(lambda: "frr-new1" not in frr.keys(frr.peers[0])["minions"]), _diag(frr)
+        assert wait_until(lambda: "frr-new1" not in frr.keys(frr.peers[0])["minions"]), _diag(frr)
     finally:
         new.terminate()
 
@@ -426,12 +417,12 @@ def test_key_burst_is_coalesced(frr):
     log = frr.log_files(frr.primary)[0]
     try:
         for mid in ids:
-            assert _wait(lambda mid=mid: mid in frr.keys(frr.primary)["minions_pre"])
+            assert wait_until(lambda mid=mid: mid in frr.keys(frr.primary)["minions_pre"])
         before = log.read_text(errors="replace").count("syncing the keys of")
         ret = frr.salt_key(frr.primary, "-A", "-y")
         assert ret.returncode == 0, ret
         for mid in ids:
-            assert _wait(lambda mid=mid: mid in frr.keys(frr.peers[0])["minions"]), _diag(frr)
+            assert wait_until(lambda mid=mid: mid in frr.keys(frr.peers[0])["minions"]), _diag(frr)
         for mid in ids:
             assert frr.wait_ping(frr.peers[0], mid, deadline=120), mid
         # a few seconds for any queued round to finish, then count the syncs

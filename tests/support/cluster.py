@@ -383,6 +383,16 @@ class Cluster:
         return [pathlib.Path(daemon.config["log_file"])]
 
 
+def wait_until(predicate, deadline=120, step=0.5):
+    """Poll ``predicate`` until it is true (True) or ``deadline`` seconds pass (False)."""
+    end = time.time() + deadline
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(step)
+    return False
+
+
 def read_json(text):
     return json.loads(text)
 
