@@ -12,6 +12,7 @@ directly, except ``multimaster_peer.inventory`` to see what a peer holds.
 """
 
 import datetime
+import functools
 import hashlib
 import logging
 import os
@@ -196,6 +197,18 @@ class _Applier:
         self.batch = fsutil.Batch()
         self.puller = None
         self.written = []
+        # directories this sync resolved or created: a sync of 20,000 keys
+        # writes 20,000 files into one directory
+        self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
+        self.dirs = set()
+
+    def safe_join(self, root, rel):
+        return fsutil.safe_join(root, rel, realpath=self.realpath)
+
+    def makedirs(self, path, mode=0o755):
+        if path not in self.dirs:
+            fsutil.makedirs(path, mode=mode)
+            self.dirs.add(path)
 
     def minion_key(self):
         if self._minion_key is None:
@@ -220,7 +233,7 @@ class _Applier:
         if sha is not None and hasher(data) != sha:
             raise CommandExecutionError(f"{rel}: content does not match its manifest, not written")
         self.backup(path, rel)
-        fsutil.makedirs(os.path.dirname(path))
+        self.makedirs(os.path.dirname(path))
         self.batch.write(path, data, mode=mode)
         if cache_path and sha is not None:
             self.written.append((path, cache_path, sha))
@@ -274,7 +287,7 @@ def _outcome(report):
 
 def _op_bytes(app, op, purpose, cat=None):
     """The content of a write operation, however it travelled."""
-    if op.get("pull") and app.puller is not None:
+    if "pull" in op and app.puller is not None:
         return app.puller.get(cat, op)
     if "sealed" in op:
         return app.open_sealed(op["sealed"], purpose)
@@ -291,9 +304,9 @@ def _apply_minion_keys(app, ops):
         try:
             if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_STATES:
                 raise CommandExecutionError(f"{rel}: invalid minion id or key state")
-            path = fsutil.safe_join(pki, rel)
+            path = app.safe_join(pki, rel)
             if op["op"] == replicate.WRITE:
-                fsutil.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
+                app.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
                 app.write(path, _op_bytes(app, op, f"minion_keys/{rel}", "minion_keys"), 0o644,
                           f"minion_keys/{rel}", op["sha256"], hasher=manifest.key_sha,
                           cache_path=path)
@@ -404,14 +417,14 @@ def _apply_tree(app, cat, ops):
     report = _report()
     roots = app.mopts.get(cat) or {}
     fetched = _fetch([op for op in ops if op["op"] == replicate.WRITE
-                      and "sealed" not in op and not op.get("pull") and op.get("env") in roots])
+                      and "sealed" not in op and "pull" not in op and op.get("env") in roots])
     for op in ops:
         rel = f"{op['env']}:{op['rel']}"
         try:
             env_roots = roots.get(op["env"])
             if not env_roots:
                 raise CommandExecutionError(f"saltenv {op['env']!r} is not configured on the peer")
-            fresh = fsutil.safe_join(env_roots[0], op["rel"])  # validates rel
+            fresh = app.safe_join(env_roots[0], op["rel"])  # validates rel
             current = manifest.locate(env_roots, op["rel"])
             if op["op"] == replicate.REMOVE:
                 if current:
@@ -419,7 +432,7 @@ def _apply_tree(app, cat, ops):
                 report["removed"].append(rel)
                 continue
             target = current or fresh
-            if "sealed" in op or op.get("pull"):
+            if "sealed" in op or "pull" in op:
                 data = _op_bytes(app, op, f"{cat}/{op['env']}/{op['rel']}", cat)
             else:
                 cached = fetched[id(op)]
@@ -428,7 +441,7 @@ def _apply_tree(app, cat, ops):
                 with open(cached, "rb") as fh:
                     data = fh.read()
             app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"],
-                      cache_path=os.path.join(os.path.realpath(os.path.dirname(target)),
+                      cache_path=os.path.join(app.realpath(os.path.dirname(target)),
                                               os.path.basename(target)))
             report["updated"].append(rel)
         except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
@@ -486,44 +499,26 @@ def _restart_master():
     return "restart_required"
 
 
-# One pull request asks for at most this much content (or this many items):
-# each peer_run call costs the primary a second or two of Salt's own set-up
-# (a MasterMinion with its grains), so few large requests, two in flight.
-PULL_CHUNK_BYTES = 32 * 1024 * 1024
-PULL_CHUNK_ITEMS = 20000
+# Chunk requests in flight while the current chunk is written (the keys and the
+# first file chunk): each reply waits on the primary listing every minion key
+# to store the peer_run job, so more in flight only slows the first one.
 PULL_AHEAD = 2
 
 
 class _Puller:
     """
-    Contents of the operations marked ``pull``, fetched from the primary
-    through ``multimaster.pull`` (peer_run: a request-channel round trip to
-    the primary only, its reply sealed to this minion's key) in chunks of
-    about 32 MiB, in the order the operations are applied; the next chunks
-    are fetched while the current one is written (two requests in flight),
-    and at most three chunks are held in memory.
+    The operations of a sync and the contents marked ``pull`` (with the
+    index of their chunk), fetched from the primary through
+    ``multimaster.pull`` (peer_run: a request-channel round trip to the
+    primary only, its reply sealed to this minion's key).  The first chunk
+    carries the operations; the next chunks are fetched while the current
+    one is written: at most PULL_AHEAD (2) requests in flight or chunks held.
     """
 
-    def __init__(self, app, ops, token):
+    def __init__(self, app, token, count):
         import concurrent.futures  # pylint: disable=import-outside-toplevel
 
-        self.app, self.token = app, token
-        self.chunks, self.chunk_of = [], {}
-        current, size = [], 0
-        for cat, cat_ops in ops.items():
-            for op in cat_ops:
-                if not op.get("pull"):
-                    continue
-                key = replicate.item_name(cat, op)
-                weight = op.get("size") or 1024
-                if current and (size + weight > PULL_CHUNK_BYTES or len(current) >= PULL_CHUNK_ITEMS):
-                    self.chunks.append(current)
-                    current, size = [], 0
-                self.chunk_of[key] = len(self.chunks)
-                current.append(key)
-                size += weight
-        if current:
-            self.chunks.append(current)
+        self.app, self.token, self.count = app, token, int(count)
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=PULL_AHEAD)
         self.futures = {}
         self.loaded, self.contents = None, {}
@@ -535,12 +530,14 @@ class _Puller:
         import msgpack  # pylint: disable=import-outside-toplevel
 
         request = base64.urlsafe_b64encode(
-            json.dumps({"token": self.token, "items": self.chunks[index]}).encode()
+            json.dumps({"token": self.token, "chunk": index}).encode()
         ).decode().rstrip("=")
         try:
             reply = __salt__["publish.runner"]("multimaster.pull", arg=[f"request={request}"], timeout=120)
         except Exception as exc:  # pylint: disable=broad-except
             raise CommandExecutionError(f"pull from the primary failed: {exc}") from exc
+        if isinstance(reply, dict) and set(reply) == {"outputter", "data"}:
+            reply = reply["data"]
         if not isinstance(reply, dict) or "sealed" not in reply:
             raise CommandExecutionError(
                 "the primary refused multimaster.pull "
@@ -548,10 +545,28 @@ class _Puller:
             )
         return msgpack.unpackb(self.app.open_sealed(reply["sealed"], f"pull/{self.token}"), raw=False)
 
+    def _load(self, index):
+        if index != self.loaded:
+            future = self._future(index)
+            for ahead in range(1, PULL_AHEAD):
+                self._future(index + ahead)
+            self.contents = None
+            self.contents = future.result()
+            self.futures.pop(index, None)
+            self.loaded = index
+        return self.contents
+
+    def ops(self):
+        """The operations of this sync, from the first chunk."""
+        ops = self._load(0).get("ops")
+        if not isinstance(ops, dict):
+            raise CommandExecutionError("the primary sent no operations with the first chunk")
+        return ops
+
     def _future(self, index):
         import contextvars  # pylint: disable=import-outside-toplevel
 
-        if index not in self.futures and index < len(self.chunks):
+        if index not in self.futures and index < self.count:
             # Salt's loader dunders (__salt__, __opts__) live in context
             # variables: run the request in a copy of this thread's context
             self.futures[index] = self.pool.submit(
@@ -559,19 +574,10 @@ class _Puller:
         return self.futures.get(index)
 
     def get(self, cat, op):
-        key = replicate.item_name(cat, op)
-        index = self.chunk_of.get(key)
-        if index is None:
+        index = op.get("pull")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count:
             raise CommandExecutionError("content missing (not pulled from the primary)")
-        if index != self.loaded:
-            future = self._future(index)
-            for ahead in range(1, PULL_AHEAD + 1):
-                self._future(index + ahead)
-            self.contents = None
-            self.contents = future.result()
-            self.futures.pop(index, None)
-            self.loaded = index
-        data = self.contents.get(key)
+        data = self._load(index)["contents"].get(replicate.item_name(cat, op))
         if data is None:
             raise CommandExecutionError("the primary did not serve it (changed during the sync?)")
         return data
@@ -599,13 +605,16 @@ def _apply_categories(app, ops, topology):
     return ret
 
 
-def apply(ops, topology="shared", pull_token=None):
+def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
     Every file replaced or removed is first copied to
     ``<master cachedir>/multimaster/backup/<timestamp>/``; every write is
-    atomic.  Private keys arrive sealed to this minion's key.
+    atomic.  Private keys arrive sealed to this minion's key.  With
+    ``pull_token``, the operations and the bulk contents are pulled from the
+    primary (``pull_chunks`` sealed replies) instead of riding in the
+    publish.
 
     CLI Example:
 
@@ -615,10 +624,12 @@ def apply(ops, topology="shared", pull_token=None):
     """
     mopts = _master_opts()
     app = _Applier(mopts)
-    ops = ops or {}
     if pull_token:
-        app.puller = _Puller(app, ops, pull_token)
+        app.puller = _Puller(app, pull_token, pull_chunks)
     try:
+        if app.puller is not None and ops is None:
+            ops = app.puller.ops()
+        ops = ops or {}
         ret = _apply_categories(app, ops, topology)
     except BaseException:
         app.batch.abort()  # no temporary file left behind

@@ -337,8 +337,8 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
     point-to-point in a few large sealed replies.  Otherwise file_roots files
     are fetched by the peer from this master's fileserver (a request per
     file) and keys and pillar files ride in the publish (pillar sealed), with
-    a warning past ``inline_limit``.  Return the pull token (or None) and
-    warnings.
+    a warning past ``inline_limit``.  Return the chunks the peer pulls (or
+    None) and warnings.
     """
     import json  # pylint: disable=import-outside-toplevel
     import secrets  # pylint: disable=import-outside-toplevel
@@ -363,17 +363,10 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
             size += op["size"] if "size" in op else os.path.getsize(_content_path(cat, op))
         except (OSError, TypeError):
             pass
-    token, warnings = None, []
+    chunks, warnings = None, []
     if size > inline_limit or pull_files:
         if pullable:
-            token = secrets.token_hex(16)
-            pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
-            fsutil.makedirs(pull_dir, mode=0o700)
-            grant = {"peer": peer, "expires": time.time() + PULL_TTL,
-                     "items": sorted(replicate.item_name(cat, op) for cat, op in bulk)}
-            fsutil.atomic_write(os.path.join(pull_dir, token), json.dumps(grant), mode=0o600)
-            for _, op in bulk:
-                op["pull"] = True
+            chunks = replicate.assign_chunks(bulk)
         else:
             warnings.append(
                 f"{size // 1024} KiB of minion keys / pillar files went sealed over the "
@@ -382,7 +375,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
             )
     for cat, cat_ops in ops.items():
         for op in cat_ops:
-            if op["op"] != "write" or op.get("pull") or cat == "file_roots":
+            if op["op"] != "write" or "pull" in op or cat == "file_roots":
                 continue
             if cat in ("minion_keys", "pillar_roots"):
                 with open(_content_path(cat, op), "rb") as fh:
@@ -398,18 +391,38 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
                     op["sealed"] = seal.seal(peer_pub, data, peer, f"master_keys/{op['name']}")
                 else:
                     op["data"] = data.decode()
-    return token, warnings
+    return chunks, warnings
+
+
+def _grant(peer, ops, chunks):
+    """
+    Let ``peer`` pull, for ten minutes, the operations of its sync and the
+    contents cut in ``chunks``; return the token naming the grant.
+    """
+    import json  # pylint: disable=import-outside-toplevel
+    import secrets  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    from salt_multimaster import fsutil  # pylint: disable=import-outside-toplevel
+
+    token = secrets.token_hex(16)
+    pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
+    fsutil.makedirs(pull_dir, mode=0o700)
+    grant = {"peer": peer, "expires": time.time() + PULL_TTL, "ops": ops, "chunks": chunks}
+    fsutil.atomic_write(os.path.join(pull_dir, token), json.dumps(grant), mode=0o600)
+    return token
 
 
 def pull(request):
     """
-    Serve minion keys and pillar files a peer pulls during a sync.
+    Serve a peer what it pulls during a sync: the operations of its sync and
+    the contents of minion keys, pillar and file_roots files, in chunks.
 
     Not for operators: a peer's minion calls it through ``peer_run`` while
     ``multimaster.sync`` runs.  The request names a grant the sync created
-    for that peer only (a random token, valid ten minutes) and items of that
-    grant; the reply is sealed to the calling peer's minion key, so job
-    cache and events hold ciphertext only.  Allow it on the primary with:
+    for that peer only (a random token, valid ten minutes) and a chunk of
+    it; the reply is sealed to the calling peer's minion key, so job cache
+    and events hold ciphertext only.  Allow it on the primary with:
 
     .. code-block:: yaml
 
@@ -434,22 +447,19 @@ def pull(request):
     caller = __opts__.get("id")
     try:
         req = json.loads(base64.urlsafe_b64decode(request + "=" * (-len(request) % 4)))
-        token, items = str(req["token"]), list(req["items"])
+        token, index = str(req["token"]), int(req["chunk"])
         if not token.isalnum():
             raise ValueError("bad token")
         with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", token), encoding="utf-8") as fh:
             grant = json.load(fh)
-    except (OSError, ValueError, KeyError, TypeError):
+        items = grant["chunks"][index] if index >= 0 else None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return {"error": "unknown or malformed pull request"}
     if grant["peer"] != caller or grant["expires"] < time.time():
         log.warning("multimaster: pull refused for %s", caller)
         return {"error": f"no pull grant for {caller}"}
-    allowed = set(grant["items"])
     contents, missing = {}, []
     for item in items:
-        if item not in allowed:
-            missing.append(item)
-            continue
         cat, rest = item.split("/", 1)
         op = ({"state": rest.split("/", 1)[0], "id": rest.split("/", 1)[1]} if cat == "minion_keys"
               else {"env": rest.split("/", 1)[0], "rel": rest.split("/", 1)[1]})
@@ -458,12 +468,17 @@ def pull(request):
                 contents[item] = fh.read()
         except (OSError, TypeError, KeyError):
             missing.append(item)
+    reply = {"contents": contents, "missing": missing}
+    if index == 0:
+        reply["ops"] = grant["ops"]
     with open(os.path.join(__opts__["pki_dir"], "minions", caller), encoding="utf-8") as fh:
         peer_pub = fh.read()
     # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
-    sealed = seal.seal(peer_pub, msgpack.packb(contents, use_bin_type=True), caller,
+    sealed = seal.seal(peer_pub, msgpack.packb(reply, use_bin_type=True), caller,
                        f"pull/{token}", binary=True)
-    return {"sealed": sealed, "missing": missing}
+    # the quiet outputter: the master would otherwise render tens of MiB of
+    # ciphertext as text for its own stdout after each call
+    return {"outputter": "quiet", "data": {"sealed": sealed}}
 
 
 def _merge(report, applied):
@@ -497,11 +512,17 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     ret.update(report)
     if any(ops.values()) and not test:
         ops = {c: o for c, o in ops.items() if o}
-        token, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"],
-                                           conf["pull_min_files"])
+        chunks, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"],
+                                            conf["pull_min_files"])
         if warnings:
             ret["warnings"] = warnings
-        kwarg = {"ops": ops, "topology": conf["topology"], "pull_token": token}
+        kwarg = {"ops": ops, "topology": conf["topology"]}
+        token = None
+        if chunks is not None:
+            # the operations travel with the first chunk: a publish reaches
+            # every minion, and Salt echoes its arguments in every event
+            token = _grant(peer, ops, chunks)
+            kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
         # a large apply (an initial sync) takes longer than an inventory:
         # allow for 10 operations a second on top of the timeout
         wait = conf["timeout"] + sum(len(o) for o in ops.values()) // 10

@@ -196,6 +196,8 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
             subdirs = []
             for entry in entries:
                 name = entry.name
+                if name.startswith(fsutil.TEMP_PREFIX):
+                    continue  # a sync writing here: its temporary files
                 rel = f"{rel_dir}/{name}" if rel_dir else name
                 full = entry.path
                 try:
@@ -256,7 +258,7 @@ def valid_minion_id(minion_id):
         and bool(minion_id)
         and minion_id not in (".", "..")
         and not _ID_BAD.search(minion_id)
-        and not minion_id.startswith(".mm-")
+        and not minion_id.startswith(fsutil.TEMP_PREFIX)
     )
 
 

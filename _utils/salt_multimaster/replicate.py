@@ -21,6 +21,47 @@ def item_name(cat, op):
     return f"{cat}/{op['env']}/{op['rel']}"
 
 
+# A pull reply carries at most about this much content, or this many items:
+# each peer_run call costs the primary a second or more of Salt's own work
+# (a MasterMinion, and a listing of every minion key to store the job), so
+# few large replies.
+PULL_CHUNK_BYTES = 128 * 1024 * 1024
+PULL_CHUNK_ITEMS = 50000
+KEY_WEIGHT = 1024  # a minion public key is about 450 bytes
+
+
+def assign_chunks(items, max_bytes=PULL_CHUNK_BYTES, max_items=PULL_CHUNK_ITEMS):
+    """
+    Cut the contents a peer pulls into chunks, in the order given (the order
+    the peer applies them).  ``items``: ``[(cat, op)]``.  Minion keys come in
+    chunks of their own, so the first reply (which also carries the
+    operations) is small and the peer starts writing while the larger file
+    chunks, of balanced size, are still on their way.  Set ``op["pull"]`` to
+    the index of the chunk holding its content and return the chunks as
+    lists of item names.
+    """
+    chunks = []
+    keys = [(cat, op) for cat, op in items if cat == "minion_keys"]
+    files = [(cat, op) for cat, op in items if cat != "minion_keys"]
+    for group in (keys, files):
+        if not group:
+            continue
+        weights = [op.get("size") or KEY_WEIGHT for _, op in group]
+        count = max(-(-sum(weights) // max_bytes), -(-len(group) // max_items), 1)
+        target = sum(weights) / count
+        first, current, size = len(chunks), [], 0
+        for (cat, op), weight in zip(group, weights):
+            if current and (size + weight / 2 > target or len(current) >= max_items) \
+                    and len(chunks) - first < count - 1:
+                chunks.append(current)
+                current, size = [], 0
+            op["pull"] = len(chunks)
+            current.append(item_name(cat, op))
+            size += weight
+        chunks.append(current)
+    return chunks
+
+
 def empty_report():
     return {"added": [], "updated": [], "removed": [], "conflicts": [], "errors": []}
 

@@ -180,6 +180,26 @@ def test_sync_replicates_everything(cluster):
         st = init.stat()
         assert cache[str(init)] == [st.st_ino, st.st_size, st.st_mtime_ns,
                                     hashlib.sha256(init.read_bytes()).hexdigest()]
+    # the operations came with the first pulled chunk: the apply publish,
+    # which every minion receives, carries a grant token and no operation
+    applies = _published(cluster, cluster.primary, "multimaster_peer.apply")
+    assert len(applies) == len(cluster.peers)
+    for kwarg in applies:
+        assert kwarg["ops"] is None and kwarg["pull_chunks"] >= 1, kwarg
+        assert kwarg["pull_token"].isalnum(), kwarg
+
+
+def _published(cluster, master, fun):
+    """The keyword arguments of every ``fun`` job the master published."""
+    import salt.payload  # pylint: disable=import-outside-toplevel
+
+    ret = []
+    for load in sorted(cluster.job_cache(master).glob("*/*/.load.p")):
+        with open(load, "rb") as fh:
+            data = salt.payload.load(fh)
+        if data.get("fun") == fun:
+            ret.append(next(a for a in data["arg"] if isinstance(a, dict) and a.get("__kwarg__")))
+    return ret
 
 
 def test_peer_serves_minion_after_restart(cluster):

@@ -1,5 +1,6 @@
 """Unit tests of the replication core: plans, manifests, sealing, safe writes."""
 
+import hashlib
 import os
 import stat
 
@@ -53,6 +54,27 @@ def test_plan_master_config_only_when_different():
     ops, report = replicate.plan_master_config({"nodegroups": {"g": "L@a"}}, {"nodegroups": {}})
     assert ops == [{"op": "write", "values": {"nodegroups": {"g": "L@a"}}}]
     assert report["added"] == ["nodegroups"]
+
+
+def test_assign_chunks_keys_first_then_balanced_files():
+    keys = [("minion_keys", {"state": "minions", "id": f"m{i}"}) for i in range(3000)]
+    files = [("file_roots", {"env": "base", "rel": f"f{i}", "size": 10_000}) for i in range(900)]
+    pillar = [("pillar_roots", {"env": "base", "rel": "p.sls", "size": 100})]
+    chunks = replicate.assign_chunks(keys + files + pillar, max_bytes=4_000_000, max_items=10_000)
+    # the keys alone first (3000 x 1 KiB), then 9 MB of files in 3 chunks of 3 MB
+    assert [len(c) for c in chunks] == [3000, 300, 300, 301]
+    sizes = [0] * 4
+    for _, op in keys + files + pillar:
+        sizes[op["pull"]] += op.get("size") or replicate.KEY_WEIGHT
+    assert max(sizes[1:]) - min(sizes[1:]) <= 10_100
+    # in apply order, each item in the chunk its operation names
+    flat = [name for chunk in chunks for name in chunk]
+    assert flat == [replicate.item_name(cat, op) for cat, op in keys + files + pillar]
+    assert all(replicate.item_name(c, o) in chunks[o["pull"]] for c, o in keys + files + pillar)
+    # the item cap holds too, and nothing pulled is no chunk
+    many = [("minion_keys", {"state": "minions", "id": f"k{i}"}) for i in range(25)]
+    assert [len(c) for c in replicate.assign_chunks(many, max_items=10)] == [8, 8, 9]
+    assert replicate.assign_chunks([]) == []
 
 
 def test_tree_manifest_ignores_and_confines_symlinks(tmp_path):
@@ -170,6 +192,13 @@ def test_batch_commits_all_writes_then_removals(tmp_path):
     batch.write(str(tmp_path / "added"), b"added")
     batch.remove(str(gone))
     assert keep.read_text() == "old" and not (tmp_path / "added").exists() and gone.exists()
+    # staged in one private directory beside the destinations, which the
+    # manifests (and Salt's key listing: a dot entry) never read
+    (stage,) = [p for p in tmp_path.iterdir() if p.name.startswith(".mm-stage-")]
+    assert stat.S_IMODE(stage.stat().st_mode) == 0o700 and len(list(stage.iterdir())) == 2
+    assert manifest.tree_manifest([str(tmp_path)], manifest.Ignore(), manifest.HashCache()) == {
+        "gone": [1, 0o644, hashlib.sha256(b"x").hexdigest()],
+        "old": [3, 0o644, hashlib.sha256(b"old").hexdigest()]}
     batch.commit()
     assert keep.read_text() == "new" and stat.S_IMODE(keep.stat().st_mode) == 0o600
     assert (tmp_path / "added").read_text() == "added" and not gone.exists()
