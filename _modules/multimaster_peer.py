@@ -512,7 +512,7 @@ class _Puller:
     ``multimaster.pull`` (peer_run: a request-channel round trip to the
     primary only, its reply sealed to this minion's key).  The first chunk
     carries the operations; the next chunks are fetched while the current
-    one is written: at most PULL_AHEAD (2) requests in flight or chunks held.
+    one is written: two requests in flight, at most three chunks held.
     """
 
     def __init__(self, app, token, count):
@@ -548,7 +548,7 @@ class _Puller:
     def _load(self, index):
         if index != self.loaded:
             future = self._future(index)
-            for ahead in range(1, PULL_AHEAD):
+            for ahead in range(1, PULL_AHEAD + 1):
                 self._future(index + ahead)
             self.contents = None
             self.contents = future.result()

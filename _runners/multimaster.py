@@ -413,6 +413,34 @@ def _grant(peer, ops, chunks):
     return token
 
 
+def _revoke(token):
+    """
+    End a pull grant, and drop from the job cache (local_cache) the sealed
+    chunks its pulls stored there: tens of MiB each, kept ``keep_jobs``
+    hours otherwise.
+    """
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    import salt.utils.jid  # pylint: disable=import-outside-toplevel
+
+    base = os.path.join(__opts__["cachedir"], "multimaster", "pull", token)
+    try:
+        with open(f"{base}.jids", encoding="utf-8") as fh:
+            jids = [line.strip() for line in fh if line.strip().isdigit()]
+    except OSError:
+        jids = []
+    if __opts__.get("master_job_cache", "local_cache") == "local_cache":
+        jobs = os.path.join(__opts__["cachedir"], "jobs")
+        for jid in jids:
+            shutil.rmtree(salt.utils.jid.jid_dir(jid, jobs, __opts__["hash_type"]),
+                          ignore_errors=True)
+    for path in (base, f"{base}.jids"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def pull(request):
     """
     Serve a peer what it pulls during a sync: the operations of its sync and
@@ -471,6 +499,13 @@ def pull(request):
     reply = {"contents": contents, "missing": missing}
     if index == 0:
         reply["ops"] = grant["ops"]
+    jid = globals().get("__jid__")
+    if jid:
+        # the sync drops this job's stored return (the sealed chunk) from the
+        # job cache once the peer has applied it
+        with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", f"{token}.jids"),
+                  "a", encoding="utf-8") as fh:
+            fh.write(f"{jid}\n")
     with open(os.path.join(__opts__["pki_dir"], "minions", caller), encoding="utf-8") as fh:
         peer_pub = fh.read()
     # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
@@ -530,7 +565,7 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
             rets = _publish([peer], "multimaster_peer.apply", kwarg, wait)
         finally:
             if token:
-                os.unlink(os.path.join(__opts__["cachedir"], "multimaster", "pull", token))
+                _revoke(token)
         applied = rets.get(peer)
         if not applied or not isinstance(applied.get("ret"), dict) or "backup" not in applied["ret"]:
             ret["result"] = False

@@ -25,7 +25,7 @@ def item_name(cat, op):
 # each peer_run call costs the primary a second or more of Salt's own work
 # (a MasterMinion, and a listing of every minion key to store the job), so
 # few large replies.
-PULL_CHUNK_BYTES = 128 * 1024 * 1024
+PULL_CHUNK_BYTES = 64 * 1024 * 1024
 PULL_CHUNK_ITEMS = 50000
 KEY_WEIGHT = 1024  # a minion public key is about 450 bytes
 

@@ -187,6 +187,11 @@ def test_sync_replicates_everything(cluster):
     for kwarg in applies:
         assert kwarg["ops"] is None and kwarg["pull_chunks"] >= 1, kwarg
         assert kwarg["pull_token"].isalnum(), kwarg
+    # and the sealed chunks the peers pulled left the job cache with the grant
+    stored = [p for p in cluster.job_cache(cluster.primary).rglob("*")
+              if p.is_file() and b"mmseal1b" in p.read_bytes()]
+    assert stored == []
+    assert not any((pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster" / "pull").iterdir())
 
 
 def _published(cluster, master, fun):
