@@ -340,11 +340,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
     a warning past ``inline_limit``.  Return the chunks the peer pulls (or
     None) and warnings.
     """
-    import json  # pylint: disable=import-outside-toplevel
-    import secrets  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
-
-    from salt_multimaster import fsutil, replicate, seal  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import replicate, seal  # pylint: disable=import-outside-toplevel
 
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         peer_pub = fh.read()
