@@ -472,11 +472,11 @@ def pull(request):
     try:
         req = json.loads(base64.urlsafe_b64decode(request + "=" * (-len(request) % 4)))
         token, index = str(req["token"]), int(req["chunk"])
-        if not token.isalnum():
-            raise ValueError("bad token")
+        if not token.isalnum() or index < 0:
+            raise ValueError("bad token or chunk")
         with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", token), encoding="utf-8") as fh:
             grant = json.load(fh)
-        items = grant["chunks"][index] if index >= 0 else None
+        items = grant["chunks"][index]
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return {"error": "unknown or malformed pull request"}
     if grant["peer"] != caller or grant["expires"] < time.time():
