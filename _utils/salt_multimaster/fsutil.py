@@ -133,14 +133,18 @@ class Batch:
                 os.rename(tmp, path)
                 done += 1
                 dirs.add(os.path.dirname(path))
+            # right after the renames: a key moved from minions_pre to
+            # minions is in both for as short a time as possible (never in
+            # neither, which a retrying minion's auth would answer by
+            # writing it to minions_pre again)
+            for path in self.removals:
+                if remove(path):
+                    dirs.add(os.path.dirname(path))
         finally:
             # on an error, the files not yet renamed are dropped
             del self.staged[:done]
+            self.removals = []
             self.abort()
-        for path in self.removals:
-            if remove(path):
-                dirs.add(os.path.dirname(path))
-        self.removals = []
         for directory in dirs:
             _fsync_dir(directory)
 

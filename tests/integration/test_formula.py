@@ -392,6 +392,10 @@ def test_master_sls_installs_reactor(frr):
         assert frr.wait_ping(frr.primary, m.id)
 
 
+def _accepted_only(keys, minion_id):
+    return [state for state, ids in keys.items() if minion_id in ids] == ["minions"]
+
+
 def test_accept_on_primary_alone_reaches_the_peer(frr):
     new = _new_minion(frr, "frr-new1")
     try:
@@ -400,9 +404,11 @@ def test_accept_on_primary_alone_reaches_the_peer(frr):
         ret = frr.salt_key(frr.primary, "-a", "frr-new1", "-y")
         assert ret.returncode == 0, ret
         # no manual step: the reactor replicates the key, the minion authenticates
-        assert wait_until(lambda: "frr-new1" in frr.keys(frr.peers[0])["minions"]), _diag(frr)
-        assert "frr-new1" not in frr.keys(frr.peers[0])["minions_pre"]
+        # (a move between two key dirs is a rename and an unlink: wait for both)
+        assert wait_until(lambda: _accepted_only(frr.keys(frr.peers[0]), "frr-new1")), _diag(frr)
         assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120), _diag(frr)
+        # the minion's retried auth on the peer did not put it back in pending
+        assert _accepted_only(frr.keys(frr.peers[0]), "frr-new1"), _diag(frr)
         # deleting it on the primary reaches the peer too
         ret = frr.salt_key(frr.primary, "-d", "frr-new1", "-y")
         assert ret.returncode == 0, ret

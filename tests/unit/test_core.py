@@ -215,6 +215,22 @@ def test_batch_abort_leaves_destinations_alone(tmp_path):
     assert os.listdir(tmp_path) == ["k"]
 
 
+def test_batch_failed_rename_removes_nothing(tmp_path):
+    (tmp_path / "pre").mkdir()
+    (tmp_path / "pre" / "m1").write_text("pub")
+    (tmp_path / "acc").mkdir()
+    (tmp_path / "acc" / "m1").mkdir()  # a directory where the key goes: the rename fails
+    batch = fsutil.Batch()
+    batch.write(str(tmp_path / "acc" / "m1"), b"pub")
+    batch.remove(str(tmp_path / "pre" / "m1"))
+    with pytest.raises(OSError):
+        batch.commit()
+    # the move did not happen by half: the key is still pending, nothing staged is left
+    assert (tmp_path / "pre" / "m1").read_text() == "pub"
+    assert os.listdir(tmp_path / "acc") == ["m1"] and (tmp_path / "acc" / "m1").is_dir()
+    assert batch.staged == [] and batch.removals == []
+
+
 def test_buckets_exchange_only_what_changed():
     base = {f"f{i}.sls": [1, 0o644, A] for i in range(200)}
     primary = {"base": dict(base, **{"f7.sls": [1, 0o644, B]})}
