@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 
 import salt.config
 import salt.fileclient
@@ -140,7 +141,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     categories = categories or list(replicate.CATEGORIES)
     digests = digests or {}
     mopts = _master_opts()
-    cache = manifest.HashCache(os.path.join(_state_dir(), "hashcache.json"))
+    state_dir = _state_dir()
+    cache = None
     ret = {"master_id": mopts["id"], "errors": []}
     seen = []
     for cat in categories:
@@ -155,34 +157,59 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
             ret[cat] = {k: mopts.get(k) for k in keys}
             continue
         if cat == "minion_keys":
-            man = manifest.keys_manifest(mopts["pki_dir"], cache, seen=seen, errors=errors)
-        elif cat in ("file_roots", "pillar_roots"):
-            man = manifest.roots_manifest(
-                mopts.get(cat), manifest.Ignore.from_opts(mopts), cache, seen=seen, errors=errors
-            )
-        else:
+            started = time.monotonic()
+            ret[cat] = _keys_inventory(mopts, state_dir, digests.get(cat) or {}, test)
+            log.debug("multimaster: minion_keys inventory in %.3f s", time.monotonic() - started)
+            continue
+        if cat not in ("file_roots", "pillar_roots"):
             raise CommandExecutionError(f"unknown category: {cat!r}")
+        if cache is None:
+            cache = manifest.open_hashcache(state_dir, manifest.ROOTS_HASHCACHE)
+        man = manifest.roots_manifest(
+            mopts.get(cat), manifest.Ignore.from_opts(mopts), cache, seen=seen, errors=errors
+        )
         parts = manifest.split(cat, man)
         mine = manifest.bucket_digests(parts)
         diff = manifest.differing(digests.get(cat) or {}, mine)
-        entry = {"digest": mine, "errors": errors, "buckets": diff,
-                 "manifest": manifest.merge(parts, diff)}
-        if cat in ("file_roots", "pillar_roots"):
-            entry["envs"] = sorted(mopts.get(cat) or {})
-        if cat == "minion_keys":
-            entry["counts"] = {state: len(keys) for state, keys in man.items()}
-            history = _read_json(_history_path(), [])
-            if not diff and not test:
-                # in step with the primary: every id here came from it
-                ids = sorted({mid for keys in man.values() for mid in keys})
-                if ids != history:
-                    fsutil.atomic_write(_history_path(), salt.utils.json.dumps(ids), mode=0o600)
-                history = ids
-            wanted = set(diff)
-            entry["history"] = [mid for mid in history if manifest._bucket(mid) in wanted]
-        ret[cat] = entry
-    cache.save()
+        ret[cat] = {"digest": mine, "errors": errors, "buckets": diff,
+                    "manifest": manifest.merge(parts, diff), "envs": sorted(mopts.get(cat) or {})}
+    if cache is not None:
+        cache.save(keep=seen if {"file_roots", "pillar_roots"} <= set(categories) else None)
     return ret
+
+
+def _history_stamp():
+    try:
+        st = os.stat(_history_path())
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _keys_inventory(mopts, state_dir, digests, test):
+    """
+    The ``minion_keys`` part of :func:`inventory`: digests, the differing
+    buckets, and the ids of those buckets received from the primary before.
+    While no key dir changed, no key is looked at.
+    """
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir)
+    diff = manifest.differing(digests, snap.digest)
+    entry = {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
+             "manifest": manifest.merge(snap.parts, diff) if diff else {},
+             "counts": snap.counts}
+    if not diff and not test and snap.meta.get("history") != _history_stamp():
+        # in step with the primary: every id here came from it
+        history = _read_json(_history_path(), [])
+        ids = sorted({mid for keys in snap.manifest.values() for mid in keys})
+        if ids != history:
+            fsutil.atomic_write(_history_path(), salt.utils.json.dumps(ids), mode=0o600)
+        snap.remember(history=_history_stamp())
+    wanted = set(diff)
+    entry["history"] = (
+        [mid for mid in _read_json(_history_path(), []) if manifest._bucket(mid) in wanted]
+        if wanted else []
+    )
+    return entry
 
 
 class _Applier:
@@ -236,7 +263,8 @@ class _Applier:
         self.makedirs(os.path.dirname(path))
         self.batch.write(path, data, mode=mode)
         if cache_path and sha is not None:
-            self.written.append((path, cache_path, sha))
+            name = manifest.KEYS_HASHCACHE if rel.startswith("minion_keys/") else manifest.ROOTS_HASHCACHE
+            self.written.append((name, path, cache_path, sha))
 
     def commit(self):
         """Make every staged write durable, then record the written files' hashes."""
@@ -245,17 +273,18 @@ class _Applier:
         except OSError as exc:
             raise CommandExecutionError(
                 f"writing on the peer failed, nothing renamed after: {exc}") from exc
-        if not self.written:
-            return
-        cache = manifest.HashCache(os.path.join(_state_dir(), "hashcache.json"))
-        for path, cache_path, sha in self.written:
+        caches = {}
+        for name, path, cache_path, sha in self.written:
             try:
                 st = os.stat(path)
             except OSError:
                 continue
-            cache.entries[cache_path] = [st.st_ino, st.st_size, st.st_mtime_ns, sha]
-            cache.dirty = True
-        cache.save()
+            if name not in caches:
+                caches[name] = manifest.open_hashcache(_state_dir(), name)
+            caches[name].entries[cache_path] = [st.st_ino, st.st_size, st.st_mtime_ns, sha]
+            caches[name].dirty = True
+        for cache in caches.values():
+            cache.save()
         self.written = []
 
     def remove(self, path, rel):

@@ -18,6 +18,7 @@ Keyword arguments of each function override it.
 
 import logging
 import os
+import time
 
 from salt.exceptions import SaltInvocationError
 
@@ -164,25 +165,69 @@ def _peer_errors(peers):
     return errors
 
 
-def _primary_state(conf, categories):
-    """The primary's manifests, and the contents they describe, on demand."""
+def _state_dir():
+    from salt_multimaster import fsutil  # pylint: disable=import-outside-toplevel
+
+    path = os.path.join(__opts__["cachedir"], "multimaster")
+    fsutil.makedirs(path, mode=0o700)
+    return path
+
+
+def _saved_state(categories):
+    """
+    The keys snapshot's digests and the saved roots manifests, as the last
+    sync read them: ``({category: digests}, {category: SavedManifest})``.
+    No key or file is looked at.
+    """
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
-    cache_dir = os.path.join(__opts__["cachedir"], "multimaster")
-    cache = manifest.HashCache(os.path.join(cache_dir, "hashcache.json"))
-    seen, errors, state = [], [], {}
+    digests, saved = {}, {}
     for cat in categories:
         if cat == "minion_keys":
-            man = manifest.keys_manifest(__opts__["pki_dir"], cache, seen=seen, errors=errors)
-            parts = manifest.split(cat, man)
-            state[cat] = {"manifest": man, "parts": parts, "digest": manifest.bucket_digests(parts)}
+            digest = manifest.KeysSnapshot.saved_digest(__opts__["pki_dir"], _state_dir())
         elif cat in ("file_roots", "pillar_roots"):
+            saved[cat] = manifest.SavedManifest(_state_dir(), cat)
+            digest = saved[cat].digest
+        else:
+            continue
+        if digest is not None:
+            digests[cat] = digest
+    return digests, saved
+
+
+def _primary_state(conf, categories, saved=None):
+    """
+    The primary's manifests, and the contents they describe, on demand.
+    ``saved``: the roots manifests of the last read (:func:`_saved_state`),
+    kept as each category's ``previous`` and replaced by this read.
+    """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    cache_dir = _state_dir()
+    saved = saved or {}
+    cache = None
+    seen, errors, state = [], [], {}
+    for cat in categories:
+        started = time.monotonic()
+        if cat == "minion_keys":
+            # no per-key work while no key dir changed
+            snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir)
+            errors.extend(snap.errors)
+            state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
+                          "previous": snap.previous_parts()}
+        elif cat in ("file_roots", "pillar_roots"):
+            if cache is None:
+                cache = manifest.open_hashcache(cache_dir, manifest.ROOTS_HASHCACHE)
             man = manifest.roots_manifest(
                 __opts__.get(cat), manifest.Ignore.from_opts(__opts__), cache,
                 seen=seen, errors=errors,
             )
             parts = manifest.split(cat, man)
-            state[cat] = {"manifest": man, "parts": parts, "digest": manifest.bucket_digests(parts)}
+            digest = manifest.bucket_digests(parts)
+            last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
+            state[cat] = {"manifest": man, "parts": parts, "digest": digest,
+                          "previous": (last.digest, last.parts) if last.digest else None}
+            last.save(man, digest)
         elif cat == "master_keys":
             pem, pub = _primary_master_key_files(conf["topology"])
             state[cat] = {
@@ -191,7 +236,10 @@ def _primary_state(conf, categories):
             }
         elif cat == "master_config":
             state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
-    cache.save()
+        log.debug("multimaster: %s read in %.3f s", cat, time.monotonic() - started)
+    if cache is not None:
+        # entries of files no longer served are dropped (both roots were listed)
+        cache.save(keep=seen if {"file_roots", "pillar_roots"} <= set(categories) else None)
     state["errors"] = errors
     return state
 
@@ -224,15 +272,7 @@ def _client():
 
 def _publish(peers, fun, kwarg, timeout):
     """Call ``fun`` on the peers' minions; return ``{peer: ret}`` for those that returned."""
-    with _client() as client:
-        # expect_minions=False: the caller reports missing peers itself; Salt
-        # would otherwise list every accepted key after the returns (~2 s at
-        # 20,000 keys, measured in bench/bench_sync.py)
-        rets = client.cmd(
-            list(peers), fun, kwarg=kwarg, tgt_type="list", timeout=timeout,
-            full_return=True, expect_minions=False,
-        )
-    return rets or {}
+    return _Job(peers, fun, kwarg, timeout).wait()
 
 
 def _progress(message, **data):
@@ -254,19 +294,141 @@ def _progress(message, **data):
 
 def _inventories(conf, categories, peers, test):
     """
-    The primary's state and every peer's inventory, in one publish carrying
-    only the primary's digests: a peer in step answers with digests only.
+    The primary's state and every peer's inventory.  The inventory publish
+    carries the digests of the primary's last read and goes out first; the
+    primary reads its state while the peers answer.  A peer in step answers
+    with digests only; for a bucket the primary changed since, the peer's
+    content is the primary's previous one (:func:`_plan`).  A peer that
+    cannot be planned so (no previous state) is asked again with the current
+    digests.  Returns ``(primary, {peer: inventory return})``.
     """
-    primary = _primary_state(conf, categories)
-    digests = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
-    invs = _publish(
-        peers,
-        "multimaster_peer.inventory",
-        {"categories": categories, "digests": digests, "topology": conf["topology"],
-         "config_keys": conf["master_config_keys"], "test": test},
-        conf["timeout"],
-    )
+    digests, saved = _saved_state(categories)
+    kwarg = {"categories": categories, "digests": digests, "topology": conf["topology"],
+             "config_keys": conf["master_config_keys"], "test": test}
+    if set(digests) != set(categories) & {"minion_keys", "file_roots", "pillar_roots"}:
+        # nothing saved yet (first sync): a peer in step would detail everything
+        primary = _primary_state(conf, categories, saved)
+        kwarg["digests"] = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
+        return primary, _publish(peers, "multimaster_peer.inventory", kwarg, conf["timeout"])
+    job = _Job(peers, "multimaster_peer.inventory", kwarg, conf["timeout"])
+    try:
+        primary = _primary_state(conf, categories, saved)
+    finally:
+        invs = job.wait()
+    current = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
+    again = [peer for peer in peers
+             if _unplannable(categories, primary, (invs.get(peer) or {}).get("ret"), digests)]
+    if again:
+        log.info("multimaster: asking %s again with the current digests", ", ".join(again))
+        for peer in again:
+            invs.pop(peer, None)
+        invs.update(_Job(again, "multimaster_peer.inventory",
+                         dict(kwarg, digests=current), conf["timeout"]).wait())
     return primary, invs
+
+
+def _stale(cat, primary, theirs):
+    """
+    The buckets where the peer differs from the primary now, and among them
+    those the peer did not detail: it holds them as the digests sent to it.
+    """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    need = manifest.differing(primary[cat]["digest"], theirs.get("digest") or {})
+    detailed = set(theirs.get("buckets") or [])
+    return need, [b for b in need if b not in detailed]
+
+
+def _unplannable(categories, primary, inv, sent):
+    """
+    Whether the peer holds, as ``sent``, buckets the primary changed since
+    and whose previous content it lost (or holds otherwise: each bucket is
+    checked against the digest sent).
+    """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    if not isinstance(inv, dict):
+        return False
+    for cat in categories:
+        theirs = inv.get(cat)
+        if cat not in ("minion_keys", "file_roots", "pillar_roots") or not isinstance(theirs, dict):
+            continue
+        _, stale = _stale(cat, primary, theirs)
+        if not stale:
+            continue
+        previous = primary[cat].get("previous")
+        if previous is None:
+            return True
+        parts = previous[1]()
+        held = manifest.bucket_digests({b: parts[b] for b in stale if b in parts})
+        if any(held.get(b) != (sent.get(cat) or {}).get(b) for b in stale):
+            return True
+    return False
+
+
+class _Job:
+    """A publish to the peers whose returns are read later: the caller works meanwhile."""
+
+    def __init__(self, peers, fun, kwarg, timeout):
+        self.peers = list(peers)
+        self.timeout = timeout
+        self.client = _client()
+        self.was_listening = self.client.event.cpub
+        try:
+            self.pub = self.client.run_job(self.peers, fun, kwarg=kwarg, tgt_type="list",
+                                           timeout=timeout, listen=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def wait(self):
+        """``{peer: full return}`` of the peers that returned."""
+        try:
+            ret = {}
+            if self.pub:
+                # expect_minions=False: the caller reports missing peers
+                # itself; Salt would otherwise list every accepted key after
+                # the returns (~2 s at 20,000 keys, bench/bench_sync.py)
+                for fn_ret in self.client.get_cli_event_returns(
+                        self.pub["jid"], self.pub["minions"], self.timeout, self.peers, "list",
+                        expect_minions=False):
+                    for mid, data in (fn_ret or {}).items():
+                        ret[mid] = data
+            return ret
+        finally:
+            self.close()
+
+    def close(self):
+        if not self.was_listening:
+            self.client.event.close_pub()
+        self.client.destroy()
+
+
+def _parts(entry):
+    """The bucket parts of a category of :func:`_primary_state`."""
+    return entry["snapshot"].parts if "snapshot" in entry else entry["parts"]
+
+
+def _peer_buckets(cat, primary, theirs):
+    """
+    The buckets where the peer differs from the primary now, with the peer's
+    manifest and key history there: as the peer detailed them where it
+    differs from the digests sent to it, else the primary's previous state
+    (which it holds: checked by :func:`_unplannable`).
+    """
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
+    need, stale = _stale(cat, primary, theirs)
+    peer_man = manifest.restrict(cat, theirs.get("manifest") or {}, need)
+    history = list(theirs.get("history") or [])
+    if stale:
+        old = manifest.merge(primary[cat]["previous"][1](), stale)
+        for outer, entries in old.items():
+            peer_man.setdefault(outer, {}).update(entries)
+        if cat == "minion_keys":
+            # a peer in step with the primary received every id it holds from it
+            history.extend(mid for entries in old.values() for mid in entries)
+    return need, peer_man, history
 
 
 def _plan(conf, categories, primary, inv, force):
@@ -275,24 +437,23 @@ def _plan(conf, categories, primary, inv, force):
 
     ops, report = {}, {}
     for cat in categories:
-        mine = primary[cat]["manifest"]
         theirs = inv.get(cat) or {}
         if cat in ("minion_keys", "file_roots", "pillar_roots"):
-            # only the buckets the peer reported as different are compared
+            # only the buckets where the peer differs are compared
             from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
-            mine = manifest.merge(primary[cat]["parts"], theirs.get("buckets") or [])
+            need, peer_man, history = _peer_buckets(cat, primary, theirs)
+            mine = manifest.merge(_parts(primary[cat]), need) if need else {}
             if cat == "minion_keys":
-                cat_ops, rep = replicate.plan_keys(
-                    mine, theirs.get("manifest") or {}, theirs.get("history"), force)
+                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force)
             else:
                 cat_ops, rep = replicate.plan_tree(
-                    mine, theirs.get("manifest") or {}, theirs.get("envs"),
-                    primary_envs=primary[cat]["manifest"])
+                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"])
         elif cat == "master_keys":
-            cat_ops, rep = replicate.plan_master_keys(mine, theirs, conf["topology"])
+            cat_ops, rep = replicate.plan_master_keys(
+                primary[cat]["manifest"], theirs, conf["topology"])
         else:
-            cat_ops, rep = replicate.plan_master_config(mine, theirs)
+            cat_ops, rep = replicate.plan_master_config(primary[cat]["manifest"], theirs)
         rep["errors"].extend(theirs.get("errors") or [])
         ops[cat], report[cat] = cat_ops, rep
     return ops, report
@@ -754,7 +915,7 @@ def status(peers=None, **kwargs):
         salt.utils.crypt.pem_finger(pub, sum_type=__opts__.get("hash_type", "sha256"))
         if os.path.isfile(pub) else None
     )
-    primary_counts = {s: len(k) for s, k in primary["minion_keys"]["manifest"].items()}
+    primary_counts = primary["minion_keys"]["counts"]
     for peer in peers:
         inv = (invs.get(peer) or {}).get("ret")
         if not isinstance(inv, dict) or "master_id" not in inv:

@@ -12,12 +12,18 @@ import logging
 import os
 import re
 import stat
+import time
 
 from salt_multimaster import fsutil
 
 log = logging.getLogger(__name__)
 
 KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "minions_autosign")
+# Hash caches and the key snapshot, in the state directory (cachedir/multimaster)
+KEYS_HASHCACHE = "hashcache-keys.json"
+ROOTS_HASHCACHE = "hashcache-roots.json"
+LEGACY_HASHCACHE = "hashcache.json"
+KEYS_SNAPSHOT = "keys-snapshot.json"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
 
@@ -70,14 +76,36 @@ def split(cat, man):
     return ret
 
 
+def _part_digest(part):
+    """sha256 of a partial manifest (``{outer: {name: value}}``), every field length-prefixed."""
+    h = hashlib.sha256()
+    for outer in sorted(part):
+        for name, value in sorted(part[outer].items()):
+            fields = [outer, name] + (list(map(str, value)) if isinstance(value, list) else [str(value)])
+            h.update("".join(f"{len(f)}:{f}" for f in fields).encode("utf-8", "surrogateescape"))
+            h.update(b"\n")
+    return h.hexdigest()
+
+
 def bucket_digests(parts):
     """``{bucket: digest}`` of :func:`split`'s parts."""
-    return {b: digest(part) for b, part in parts.items()}
+    return {b: _part_digest(part) for b, part in parts.items()}
 
 
 def differing(mine, theirs):
     """Buckets whose digests differ (present on one side only included)."""
     return sorted(b for b in set(mine) | set(theirs) if mine.get(b) != theirs.get(b))
+
+
+def restrict(cat, man, buckets):
+    """The entries of a keys or roots manifest that fall in ``buckets``."""
+    wanted = set(buckets)
+    ret = {}
+    for outer, entries in man.items():
+        for name, value in entries.items():
+            if _bucket(name if cat == "minion_keys" else f"{outer}/{name}") in wanted:
+                ret.setdefault(outer, {})[name] = value
+    return ret
 
 
 def merge(parts, buckets):
@@ -310,24 +338,24 @@ def keys_manifest(pki_dir, cache, seen=None, errors=None):
     as it is.
     """
     errors = errors if errors is not None else []
-    ret = {}
-    for state in KEY_STATES:
-        path = os.path.join(pki_dir, state)
-        entries = {}
-        try:
-            listing = sorted(os.scandir(path), key=lambda e: e.name)
-        except FileNotFoundError:
-            ret[state] = entries
+    return {state: _keys_dir(pki_dir, state, cache, seen, errors) for state in KEY_STATES}
+
+
+def _keys_dir(pki_dir, state, cache, seen, errors):
+    """``{minion_id: sha256}`` of one key dir."""
+    entries = {}
+    try:
+        listing = sorted(os.scandir(os.path.join(pki_dir, state)), key=lambda e: e.name)
+    except FileNotFoundError:
+        return entries
+    for entry in listing:
+        sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
+        if sha is None:
             continue
-        for entry in listing:
-            sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
-            if sha is None:
-                continue
-            if seen is not None:
-                seen.append(entry.path)
-            entries[entry.name] = sha
-        ret[state] = entries
-    return ret
+        if seen is not None:
+            seen.append(entry.path)
+        entries[entry.name] = sha
+    return entries
 
 
 def keys_state(pki_dir, ids, errors=None):
@@ -348,3 +376,262 @@ def keys_state(pki_dir, ids, errors=None):
             if sha is not None:
                 ret[state][mid] = sha
     return ret
+
+
+# A key dir changed less than this long before it was listed is listed again
+# next time: two changes within one tick of the filesystem's clock can leave
+# its mtime as it was.
+RACY_NS = 2 * 10**9
+
+
+def _dir_stamp(path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_mtime_ns]
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+class KeysSnapshot:
+    """
+    The minion keys manifest of a pki_dir with its buckets' digests, saved in
+    ``state_dir`` and reused while no key dir changed.
+
+    Salt accepts, rejects and deletes keys by creating, renaming and unlinking
+    files, and each of these changes the mtime of the key dir.  A key dir
+    found as it was at the last listing is not listed again: its keys are
+    taken from the snapshot, and when no dir changed the saved digests are
+    the answer, the manifest being read back only if a bucket has to be
+    exchanged.  A changed dir is listed, each key statted, and only new or
+    changed keys (inode, size, mtime) are read.  A key file rewritten in
+    place (Salt never does) is seen at the next change of its directory, or
+    with ``rescan``.
+
+    ``digest``, ``counts`` (keys per state dir) and ``errors`` are set at
+    once; ``manifest`` and ``parts`` on first use.  ``reused``: no key dir
+    was listed; ``hashed``: keys read.
+    """
+
+    def __init__(self, pki_dir, state_dir, rescan=False):
+        self.pki_dir = pki_dir
+        self.state_dir = state_dir
+        self.meta_path = os.path.join(state_dir, KEYS_SNAPSHOT)
+        self.manifest_path = os.path.join(state_dir, "keys-snapshot-manifest.json")
+        self.hashed = 0
+        self._manifest = None
+        self._parts = None
+        self._previous = None
+        stamps = self._stamps()
+        meta = None if rescan else _read_json(self.meta_path)
+        self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
+                     and isinstance(meta.get("errors"), dict) else {})
+        unchanged = self._unchanged(stamps)
+        self.reused = len(unchanged) == len(KEY_STATES) and os.path.isfile(self.manifest_path)
+        if self.reused:
+            self.digest = self.meta["digest"]
+            self.counts = self.meta["counts"]
+            self.errors = [e for state in KEY_STATES for e in self.meta["errors"][state]]
+        else:
+            self._scan(stamps, unchanged)
+
+    def _stamps(self):
+        return {state: _dir_stamp(os.path.join(self.pki_dir, state)) for state in KEY_STATES}
+
+    def _unchanged(self, stamps):
+        """The key dirs as they were when the snapshot was taken, long enough after their last change."""
+        dirs, taken = self.meta.get("dirs") or {}, self.meta.get("taken_ns", 0)
+        return {
+            state for state, stamp in stamps.items()
+            if state in dirs and dirs[state] == stamp
+            and (stamp is None or stamp[2] + RACY_NS < taken)
+        }
+
+    def _load_entries(self):
+        data = _read_json(self.manifest_path)
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return entries if isinstance(entries, dict) else None
+
+    @staticmethod
+    def saved_digest(pki_dir, state_dir):
+        """The digests of the last snapshot of ``pki_dir``, without looking at a key (None: none)."""
+        meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
+        if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir:
+            return meta.get("digest")
+        return None
+
+    def previous_parts(self):
+        """
+        The snapshot this one replaced, ``(digests, function returning its
+        bucket parts)``, or None when there was none (a reused snapshot is its
+        own previous).
+        """
+        if self.reused:
+            return self.digest, lambda: self.parts
+        return self._previous
+
+    def _scan(self, stamps, unchanged=()):
+        taken = time.time_ns()
+        previous = (self._load_entries() or {}) if self.meta else {}
+        if previous and self.meta.get("digest"):
+            self._previous = (self.meta["digest"], _Lazy(lambda: split("minion_keys", {
+                state: {mid: e[3] for mid, e in keys.items()} for state, keys in previous.items()
+            })).get)
+        written = _Lazy(lambda: open_hashcache(self.state_dir, KEYS_HASHCACHE))
+        errors, entries = {}, {}
+        for state in KEY_STATES:
+            if state in unchanged and state in previous:
+                entries[state] = previous[state]
+                errors[state] = list(self.meta["errors"][state])
+            else:
+                errors[state] = []
+                entries[state] = self._scan_dir(state, previous.get(state) or {}, written,
+                                                errors[state])
+        man = {state: {mid: entry[3] for mid, entry in keys.items()}
+               for state, keys in entries.items()}
+        self._set(man)
+        self.digest = bucket_digests(self.parts)
+        self.counts = {state: len(keys) for state, keys in man.items()}
+        self.errors = [e for state in KEY_STATES for e in errors[state]]
+        if self._stamps() != stamps:
+            return  # a key dir changed while it was listed: list it again next time
+        self.meta = {"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
+                     "digest": self.digest, "counts": self.counts, "errors": errors}
+        fsutil.makedirs(self.state_dir, mode=0o700)
+        fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600)
+        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
+        # every key is in the snapshot now: the cache of the keys a sync wrote is spent
+        fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
+
+    def _scan_dir(self, state, previous, written, errors):
+        """
+        ``{minion_id: [inode, size, mtime_ns, sha256]}`` of a changed key dir:
+        a key whose stat is the snapshot's is not read again.
+        """
+        ret = {}
+        try:
+            listing = os.scandir(os.path.join(self.pki_dir, state))
+        except FileNotFoundError:
+            return ret
+        with listing:
+            for entry in listing:
+                known = previous.get(entry.name)
+                if known is not None and not entry.is_symlink():
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    if (stat.S_ISREG(st.st_mode) and known[0] == st.st_ino
+                            and known[1] == st.st_size and known[2] == st.st_mtime_ns):
+                        ret[entry.name] = known
+                        continue
+                cache = written.get()
+                before = cache.hashed
+                sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
+                self.hashed += cache.hashed - before
+                if sha is not None:
+                    ret[entry.name] = cache.entries[entry.path]
+        return ret
+
+    def _set(self, man):
+        self._manifest = man
+        self._parts = None
+
+    @property
+    def manifest(self):
+        if self._manifest is None:
+            entries = self._load_entries()
+            man = ({state: {mid: e[3] for mid, e in entries.get(state, {}).items()}
+                    for state in KEY_STATES} if entries is not None else None)
+            if man is None or digest_of_keys(man) != self.digest:
+                log.info("multimaster: key snapshot %s unreadable or stale, listing the keys",
+                         self.manifest_path)
+                self.meta = {}
+                self._scan(self._stamps())
+            else:
+                self._set(man)
+        return self._manifest
+
+    @property
+    def parts(self):
+        if self._parts is None:
+            self._parts = split("minion_keys", self.manifest)
+        return self._parts
+
+    def remember(self, **fields):
+        """Save more fields with the snapshot (when it was saved at all)."""
+        if self.meta.get("dirs") is None:
+            return
+        self.meta.update(fields)
+        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
+
+
+class _Lazy:
+    """A value made on first use."""
+
+    def __init__(self, make):
+        self.make = make
+        self.value = None
+
+    def get(self):
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+
+def digest_of_keys(man):
+    """The bucket digests of a keys manifest."""
+    return bucket_digests(split("minion_keys", man))
+
+
+def open_hashcache(state_dir, name):
+    """
+    A :class:`HashCache` in ``state_dir``.  Older versions kept one cache for
+    keys and files alike: it seeds the new ones (the first sync after an
+    upgrade re-hashes nothing), and goes once the keys have their snapshot.
+    """
+    path = os.path.join(state_dir, name)
+    legacy = os.path.join(state_dir, LEGACY_HASHCACHE)
+    if os.path.exists(path) or not os.path.exists(legacy):
+        return HashCache(path)
+    cache = HashCache(legacy)
+    cache.path, cache.dirty = path, True
+    if name == ROOTS_HASHCACHE and os.path.exists(os.path.join(state_dir, KEYS_SNAPSHOT)):
+        fsutil.remove(legacy)
+    return cache
+
+
+class SavedManifest:
+    """
+    A roots category's manifest and digests as the primary last read them
+    (``roots-<category>.json`` in ``state_dir``): what a peer in step with
+    the last sync holds.
+    """
+
+    def __init__(self, state_dir, cat):
+        self.cat = cat
+        self.path = os.path.join(state_dir, f"roots-{cat}.json")
+        data = _read_json(self.path)
+        self.data = data if isinstance(data, dict) and isinstance(data.get("manifest"), dict) else {}
+        self._parts = None
+
+    @property
+    def digest(self):
+        return self.data.get("digest")
+
+    def parts(self):
+        if self._parts is None:
+            self._parts = split(self.cat, self.data.get("manifest") or {})
+        return self._parts
+
+    def save(self, man, digests):
+        if digests == self.digest:
+            return
+        fsutil.atomic_write(self.path, json.dumps({"digest": digests, "manifest": man}), mode=0o600)

@@ -175,7 +175,7 @@ def test_sync_replicates_everything(cluster):
         # what was written is in the peer's hash cache: the next inventory
         # stats it and never reads it again
         cache = json.loads((pathlib.Path(pm.config["cachedir"]) / "multimaster" /
-                            "hashcache.json").read_text())
+                            "hashcache-roots.json").read_text())
         init = (base / "web" / "init.sls").resolve()
         st = init.stat()
         assert cache[str(init)] == [st.st_ino, st.st_size, st.st_mtime_ns,
@@ -254,6 +254,35 @@ def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
         assert (backup / "file_roots" / "base" / "run.sh").exists()
         ret_key = cluster.salt_key(peer, "-L")
         assert ret_key.data == cluster.salt_key(cluster.primary, "-L").data
+
+
+def test_damaged_saved_state_on_the_primary_still_converges(cluster):
+    """
+    The primary plans a bucket from its previous state only when that state
+    checks out against the digests the peers compared with; else it asks them
+    again.  Here the previous state is emptied: trusting it would leave the
+    removed key and file on the peers.
+    """
+    pki, base = cluster.pki_dir(cluster.primary), cluster.file_root(cluster.primary)
+    (pki / "minions" / "doomed").write_bytes((pki / "minions" / "mover").read_bytes())
+    (base / "doomed.sls").write_text("doomed: true\n")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
+    assert ret.returncode == 0, ret
+    assert all((cluster.file_root(p) / "doomed.sls").exists() for p in cluster.peers)
+    (pki / "minions" / "doomed").unlink()
+    (base / "doomed.sls").unlink()
+    state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
+    saved = json.loads((state / "roots-file_roots.json").read_text())
+    (state / "roots-file_roots.json").write_text(json.dumps(dict(saved, manifest={})))
+    (state / "keys-snapshot-manifest.json").write_text(json.dumps({"entries": {"minions": {}}}))
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
+    assert ret.returncode == 0, ret
+    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+        res = ret.data[pm.id]
+        assert res["minion_keys"]["removed"] == ["minions/doomed"], res
+        assert res["file_roots"]["removed"] == ["base:doomed.sls"], res
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+        assert not (cluster.file_root(peer) / "doomed.sls").exists()
 
 
 def test_conflicts_are_reported_and_forced(cluster):

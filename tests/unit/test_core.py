@@ -129,6 +129,82 @@ def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
     assert any("junk" in e and "PEM" in e for e in errors)
 
 
+def _age(pki, seconds=10):
+    """Make the key dirs look last changed ``seconds`` ago."""
+    for d in pki.iterdir():
+        st = d.stat()
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns - seconds * 10**9))
+
+
+def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    for d in ("minions", "minions_pre"):
+        (pki / d).mkdir(parents=True)
+    state.mkdir()
+    pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
+    (pki / "minions" / "web1").write_bytes(pub)
+    (pki / "minions" / "junk").write_text("not a key")
+    _age(pki)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    assert not first.reused and first.hashed == 2  # web1, and junk found not a key
+    errors = []
+    listed = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=errors)
+    assert first.manifest == listed and first.errors == errors
+    assert first.digest == manifest.digest_of_keys(listed)
+    assert first.counts == {s: len(listed[s]) for s in manifest.KEY_STATES}
+    # nothing changed: nothing is listed, the manifest is read back only on demand
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert again.reused and again.hashed == 0
+    assert (again.digest, again.counts, again.errors) == (first.digest, first.counts, errors)
+    assert again._manifest is None and again.manifest == listed
+    # Salt accepting a key: a rename into minions/ changes the dir
+    (pki / "minions_pre" / "web2").write_bytes(other)
+    os.rename(pki / "minions_pre" / "web2", pki / "minions" / "web2")
+    moved = manifest.KeysSnapshot(str(pki), str(state))
+    assert not moved.reused and sorted(moved.manifest["minions"]) == ["web1", "web2"]
+    assert moved.hashed == 2  # web2, and junk again (never kept); web1 only statted
+    assert moved.errors == errors
+    assert moved.digest != first.digest
+    # listed within 2 s of that change: not trusted next time (same mtime tick)
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
+    _age(pki)
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused  # the dirs' stamps moved
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
+    assert not manifest.KeysSnapshot(str(pki), str(state), rescan=True).reused
+
+
+def test_keys_snapshot_with_a_damaged_manifest_lists_again(tmp_path):
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    (pki / "minions").mkdir(parents=True)
+    state.mkdir()
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    _age(pki)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    (state / "keys-snapshot-manifest.json").write_text('{"minions": {}}')
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert again.reused
+    assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
+
+
+def test_hash_caches_seeded_from_the_single_cache_of_older_versions(tmp_path):
+    pki, state, root = tmp_path / "pki", tmp_path / "state", tmp_path / "root"
+    (pki / "minions").mkdir(parents=True)
+    root.mkdir()
+    state.mkdir()
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    (root / "a.sls").write_text("a")
+    old = manifest.HashCache(str(state / "hashcache.json"))
+    manifest.keys_manifest(str(pki), old)
+    manifest.tree_manifest([str(root)], manifest.Ignore(), old)
+    old.save()
+    snap = manifest.KeysSnapshot(str(pki), str(state))
+    assert snap.hashed == 0 and (state / "hashcache.json").exists()
+    roots = manifest.open_hashcache(str(state), manifest.ROOTS_HASHCACHE)
+    manifest.tree_manifest([str(root)], manifest.Ignore(), roots)
+    roots.save()
+    assert roots.hashed == 0 and not (state / "hashcache.json").exists()
+
+
 def test_keys_state_is_keys_manifest_of_chosen_ids(tmp_path):
     pki = tmp_path / "pki"
     for state in ("minions", "minions_pre", "minions_denied"):
