@@ -123,14 +123,16 @@ def _dropin_path(mopts):
     return os.path.join(conf_dir, os.path.dirname(include), "multimaster-sync.conf")
 
 
-def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False):
+def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
+              rescan=False):
     """
     Report what this peer master holds, for the categories asked.
 
     For ``minion_keys``, ``file_roots`` and ``pillar_roots`` the manifests are
     cut in buckets; only the buckets whose digest differs from the primary's
     (``digests``) are returned: an unchanged peer answers with digests only,
-    a peer one key behind with one bucket.
+    a peer one key behind with one bucket.  Key dirs unchanged since the
+    last inventory are not listed again unless ``rescan``.
 
     CLI Example:
 
@@ -158,7 +160,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
             continue
         if cat == "minion_keys":
             started = time.monotonic()
-            ret[cat] = _keys_inventory(mopts, state_dir, digests.get(cat) or {}, test)
+            ret[cat] = _keys_inventory(mopts, state_dir, digests.get(cat) or {}, test, rescan)
             log.debug("multimaster: minion_keys inventory in %.3f s", time.monotonic() - started)
             continue
         if cat not in ("file_roots", "pillar_roots"):
@@ -186,13 +188,13 @@ def _history_stamp():
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def _keys_inventory(mopts, state_dir, digests, test):
+def _keys_inventory(mopts, state_dir, digests, test, rescan=False):
     """
     The ``minion_keys`` part of :func:`inventory`: digests, the differing
     buckets, and the ids of those buckets received from the primary before.
     While no key dir changed, no key is looked at.
     """
-    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir)
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan)
     diff = manifest.differing(digests, snap.digest)
     entry = {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
              "manifest": manifest.merge(snap.parts, diff) if diff else {},

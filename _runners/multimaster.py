@@ -116,6 +116,7 @@ def _conf(kwargs):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
+    conf["rescan"] = str(kwargs.get("rescan", False)).lower() in ("true", "1", "yes")
     return conf
 
 
@@ -211,7 +212,7 @@ def _primary_state(conf, categories, saved=None):
         started = time.monotonic()
         if cat == "minion_keys":
             # no per-key work while no key dir changed
-            snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir)
+            snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir, rescan=conf["rescan"])
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts()}
@@ -305,6 +306,8 @@ def _inventories(conf, categories, peers, test):
     digests, saved = _saved_state(categories)
     kwarg = {"categories": categories, "digests": digests, "topology": conf["topology"],
              "config_keys": conf["master_config_keys"], "test": test}
+    if conf["rescan"]:
+        kwarg["rescan"] = True
     if set(digests) != set(categories) & {"minion_keys", "file_roots", "pillar_roots"}:
         # nothing saved yet (first sync): a peer in step would detail everything
         primary = _primary_state(conf, categories, saved)
@@ -801,6 +804,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         publish instead of an inventory and an apply, and no listing of every
         key.  The ``salt/key`` reactor passes the ids of its events.  Past
         200 ids, a full ``minion_keys`` sync runs instead.
+    rescan
+        List and stat every key dir on the primary and the peers, even those
+        unchanged since the last sync (which a sync otherwise takes from its
+        saved snapshot): finds a key file rewritten in place.
 
     Returns, per peer, ``{"result": bool, "<category>": {"added": [...],
     "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``.
@@ -814,6 +821,7 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         salt-run multimaster.sync
         salt-run multimaster.sync peers=master02 only=minion_keys,file_roots test=True
         salt-run multimaster.sync minion_ids=web01,web02
+        salt-run multimaster.sync rescan=True
     """
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 

@@ -430,10 +430,12 @@ class KeysSnapshot:
         self._parts = None
         self._previous = None
         stamps = self._stamps()
-        meta = None if rescan else _read_json(self.meta_path)
+        meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
                      and isinstance(meta.get("errors"), dict) else {})
-        unchanged = self._unchanged(stamps)
+        # rescan: every dir listed and every key statted; still only new or
+        # changed keys are read
+        unchanged = set() if rescan else self._unchanged(stamps)
         self.reused = len(unchanged) == len(KEY_STATES) and os.path.isfile(self.manifest_path)
         if self.reused:
             self.digest = self.meta["digest"]
