@@ -34,7 +34,8 @@ median of --repeat runs where the operation can be repeated):
   only), the manifests computed in-process, and cProfile of a no-op sync and
   of ``salt-run test.arg``;
 * what a user can set to lower the floor (``job_cache: False``,
-  ``minion_data_cache: False``, ...), each measured on ``salt-run test.arg``.
+  ``minion_data_cache: False``, ``runner_returns: False``), each measured on
+  ``salt-run test.arg`` and on a no-op sync.
 
 Ratios are printed against the goals of issue 3; nothing asserts on timing.
 Results go to bench/results/ (gitignored).
@@ -83,6 +84,8 @@ FLOOR_TUNINGS = [
     ("minion_data_cache: False", {"minion_data_cache": False}),
     ("job_cache: False + minion_data_cache: False",
      {"job_cache": False, "minion_data_cache": False}),
+    # salt-run stores its own job (a listing of every key): runner_returns skips that
+    ("runner_returns: False", {"runner_returns": False}),
 ]
 FLOOR_NOTES = [
     "key_cache: sched does not help in Salt 3008.3: the Maintenance process writes "
@@ -684,9 +687,11 @@ print(json.dumps(out))
                     secs, _ = self.salt_run("test.arg", "bench")
                     self.record(f"floor with {label}", secs)
             # the same settings on a no-op sync (salt-run side only; the daemon keeps its config)
-            dropin.write_text(salt.utils.yaml.safe_dump({"job_cache": False}))
-            self.repeat(self.args.repeat, self.sync, [self.peer_ids[0]],
-                        "sync no-op, 1 peer, salt-run with job_cache: False")
+            for label, values in (("job_cache: False", {"job_cache": False}),
+                                  ("runner_returns: False", {"runner_returns": False})):
+                dropin.write_text(salt.utils.yaml.safe_dump(values))
+                self.repeat(self.args.repeat, self.sync, [self.peer_ids[0]],
+                            f"sync no-op, 1 peer, salt-run with {label}")
         finally:
             dropin.unlink(missing_ok=True)
 
