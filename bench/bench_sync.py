@@ -120,6 +120,15 @@ def timed(cmd, env=None, check=True, cwd=None):
     return secs, proc
 
 
+def _yaml_mapping(text):
+    import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+    value = salt.utils.yaml.safe_load(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a YAML mapping: {text!r}")
+    return value
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 
@@ -320,7 +329,7 @@ def quiet_salt_logging():
     logging.getLogger().addHandler(logging.NullHandler())
 
 
-def build_cluster(root, stack, peers):
+def build_cluster(root, stack, peers, primary_conf=None):
     from tests.support.cluster import Cluster, standalone_factories  # pylint: disable=import-outside-toplevel
 
     factories = standalone_factories(root, stack, slow_stop=False)
@@ -344,6 +353,9 @@ def build_cluster(root, stack, peers):
         "multimaster": {"peers": peer_ids},
         "peer_run": {"^(" + "|".join(peer_ids) + ")$": ["multimaster.pull"]},
     }))
+    if primary_conf:
+        # a tuning measured on the whole run (the primary daemon reads it)
+        (dropin.parent / "zz-bench-primary.conf").write_text(salt.utils.yaml.safe_dump(primary_conf))
     cluster.start()
     for minion in cluster.peer_minions:
         if not cluster.wait_ping(cluster.primary, minion.id, deadline=120):
@@ -804,6 +816,8 @@ print(json.dumps(out))
         add(f"data: {self.res['keys']} accepted keys, {self.res['files']} files "
             f"({self.res['bytes'] / 1e6:.1f} MB) in file_roots base; {n} peer(s); "
             f"median of {args.repeat} where repeated; every figure a whole command")
+        if args.primary_conf:
+            add(f"primary config added for the whole run: {args.primary_conf}")
         loads = [r["load1"] for runs in self.res["runs"].values() for r in runs]
         add(f"machine: {os.cpu_count()} CPUs, 1-min load average during the runs "
             f"{min(loads):.1f} .. {max(loads):.1f} (other work on the machine inflates every "
@@ -894,6 +908,9 @@ def main(argv=None):
                         help="'initial': only the initial sync to one peer (the peer reset before "
                              "each run), then a profile of it")
     parser.add_argument("--keep", action="store_true", help="keep the /tmp/mmb-* root")
+    parser.add_argument("--primary-conf", type=_yaml_mapping, default=None,
+                        help="YAML mapping added to the primary's config for the whole run, "
+                             "e.g. '{runner_returns: False}'")
     parser.add_argument("--worktree", action="store_true",
                         help="measure the working tree instead of the committed HEAD")
     args = parser.parse_args(argv)
@@ -930,7 +947,7 @@ def main(argv=None):
         say(f"sshd on 127.0.0.1:{sshd.port}")
         say(f"starting the cluster (primary + {args.peers} peers + their minions)")
         t0 = time.time()
-        cluster = build_cluster(root, stack, args.peers)
+        cluster = build_cluster(root, stack, args.peers, args.primary_conf)
         say(f"cluster up in {time.time() - t0:.0f}s")
         pki = pathlib.Path(cluster.primary.config["pki_dir"])
         base = pathlib.Path(cluster.primary.config["file_roots"]["base"][0])
