@@ -432,7 +432,8 @@ class KeysSnapshot:
         stamps = self._stamps()
         meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
-                     and isinstance(meta.get("errors"), dict) else {})
+                     and all(isinstance(meta.get(k), dict) for k in ("errors", "digest", "counts"))
+                     else {})
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
         unchanged = set() if rescan else self._unchanged(stamps)
@@ -459,7 +460,12 @@ class KeysSnapshot:
     def _load_entries(self):
         data = _read_json(self.manifest_path)
         entries = data.get("entries") if isinstance(data, dict) else None
-        return entries if isinstance(entries, dict) else None
+        if not isinstance(entries, dict) or not all(
+                isinstance(keys, dict)
+                and all(isinstance(e, list) and len(e) == 4 for e in keys.values())
+                for keys in entries.values()):
+            return None
+        return entries
 
     @staticmethod
     def saved_digest(pki_dir, state_dir):
@@ -524,6 +530,8 @@ class KeysSnapshot:
             return ret
         with listing:
             for entry in listing:
+                if entry.name.startswith("."):
+                    continue  # Salt's .key_cache, a sync's staging dir: not keys
                 known = previous.get(entry.name)
                 if known is not None and not entry.is_symlink():
                     try:
@@ -621,7 +629,10 @@ class SavedManifest:
         self.cat = cat
         self.path = os.path.join(state_dir, f"roots-{cat}.json")
         data = _read_json(self.path)
-        self.data = data if isinstance(data, dict) and isinstance(data.get("manifest"), dict) else {}
+        good = (isinstance(data, dict) and isinstance(data.get("digest"), dict)
+                and isinstance(data.get("manifest"), dict)
+                and all(isinstance(files, dict) for files in data["manifest"].values()))
+        self.data = data if good else {}
         self._parts = None
 
     @property

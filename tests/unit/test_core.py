@@ -185,6 +185,12 @@ def test_keys_snapshot_with_a_damaged_manifest_lists_again(tmp_path):
     again = manifest.KeysSnapshot(str(pki), str(state))
     assert again.reused
     assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
+    # malformed entries, then a malformed snapshot: listed again, never a crash
+    (state / "keys-snapshot-manifest.json").write_text('{"entries": {"minions": {"web1": 5}}}')
+    assert manifest.KeysSnapshot(str(pki), str(state)).manifest == first.manifest
+    (state / "keys-snapshot.json").write_text('{"pki_dir": "%s", "errors": {}}' % pki)
+    damaged = manifest.KeysSnapshot(str(pki), str(state))
+    assert not damaged.reused and damaged.manifest == first.manifest
 
 
 def test_hash_caches_seeded_from_the_single_cache_of_older_versions(tmp_path):
