@@ -774,7 +774,7 @@ print(json.dumps(out))
         wanted = {
             ("multimaster.py", "sync"), ("multimaster.py", "_primary_state"),
             ("multimaster.py", "_publish"), ("multimaster.py", "_peer_errors"),
-            ("manifest.py", "keys_manifest"), ("manifest.py", "roots_manifest"),
+            ("manifest.py", "_scan"), ("manifest.py", "roots_manifest"),
             ("manifest.py", "save"), ("manifest.py", "__init__"),
             ("client/__init__.py", "cmd"), ("client/__init__.py", "pub"),
             ("client/__init__.py", "run_job"), ("client/__init__.py", "get_cli_event_returns"),

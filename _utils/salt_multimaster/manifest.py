@@ -27,13 +27,6 @@ KEYS_SNAPSHOT = "keys-snapshot.json"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
 
-def digest(obj):
-    """A stable sha256 of a JSON-able object."""
-    return hashlib.sha256(
-        json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
-
-
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -329,33 +322,51 @@ def _key_entry(state, name, full, cache, errors, entry=None):
     return sha
 
 
-def keys_manifest(pki_dir, cache, seen=None, errors=None):
+def keys_manifest(pki_dir, cache, errors=None):
     """
     ``{state_dir: {minion_id: sha256}}`` for a master's minion key dirs.
 
     Invalid ids and non-PEM files are reported in ``errors`` and left out.
     ``minions_autosign`` holds autosign grain files, not keys, and is copied
-    as it is.
+    as it is.  (A sync lists keys through :class:`KeysSnapshot`.)
     """
     errors = errors if errors is not None else []
-    return {state: _keys_dir(pki_dir, state, cache, seen, errors) for state in KEY_STATES}
+    return {
+        state: {mid: entry[3] for mid, entry in _list_key_dir(pki_dir, state, {}, lambda: cache,
+                                                                errors).items()}
+        for state in KEY_STATES
+    }
 
 
-def _keys_dir(pki_dir, state, cache, seen, errors):
-    """``{minion_id: sha256}`` of one key dir."""
-    entries = {}
+def _list_key_dir(pki_dir, state, known, get_cache, errors):
+    """
+    ``{minion_id: [inode, size, mtime_ns, sha256]}`` of one key dir.  A key
+    whose stat is the one in ``known`` keeps its hash; any other is hashed
+    through ``get_cache()`` (called only then).
+    """
+    ret = {}
     try:
-        listing = sorted(os.scandir(os.path.join(pki_dir, state)), key=lambda e: e.name)
+        listing = os.scandir(os.path.join(pki_dir, state))
     except FileNotFoundError:
-        return entries
-    for entry in listing:
-        sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
-        if sha is None:
-            continue
-        if seen is not None:
-            seen.append(entry.path)
-        entries[entry.name] = sha
-    return entries
+        return ret
+    with listing:
+        for entry in listing:
+            if entry.name.startswith("."):
+                continue  # Salt's .key_cache, a sync's staging dir: not keys
+            was = known.get(entry.name)
+            if was is not None and not entry.is_symlink():
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if (stat.S_ISREG(st.st_mode) and was[0] == st.st_ino
+                        and was[1] == st.st_size and was[2] == st.st_mtime_ns):
+                    ret[entry.name] = was
+                    continue
+            cache = get_cache()
+            if _key_entry(state, entry.name, entry.path, cache, errors, entry) is not None:
+                ret[entry.name] = cache.entries[entry.path]
+    return ret
 
 
 def keys_state(pki_dir, ids, errors=None):
@@ -500,8 +511,9 @@ class KeysSnapshot:
                 errors[state] = list(self.meta["errors"][state])
             else:
                 errors[state] = []
-                entries[state] = self._scan_dir(state, previous.get(state) or {}, written,
-                                                errors[state])
+                entries[state] = _list_key_dir(self.pki_dir, state, previous.get(state) or {},
+                                               written.get, errors[state])
+        self.hashed = written.value.hashed if written.value is not None else 0
         man = {state: {mid: entry[3] for mid, entry in keys.items()}
                for state, keys in entries.items()}
         self._set(man)
@@ -517,38 +529,6 @@ class KeysSnapshot:
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
         fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
-
-    def _scan_dir(self, state, previous, written, errors):
-        """
-        ``{minion_id: [inode, size, mtime_ns, sha256]}`` of a changed key dir:
-        a key whose stat is the snapshot's is not read again.
-        """
-        ret = {}
-        try:
-            listing = os.scandir(os.path.join(self.pki_dir, state))
-        except FileNotFoundError:
-            return ret
-        with listing:
-            for entry in listing:
-                if entry.name.startswith("."):
-                    continue  # Salt's .key_cache, a sync's staging dir: not keys
-                known = previous.get(entry.name)
-                if known is not None and not entry.is_symlink():
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    if (stat.S_ISREG(st.st_mode) and known[0] == st.st_ino
-                            and known[1] == st.st_size and known[2] == st.st_mtime_ns):
-                        ret[entry.name] = known
-                        continue
-                cache = written.get()
-                before = cache.hashed
-                sha = _key_entry(state, entry.name, entry.path, cache, errors, entry)
-                self.hashed += cache.hashed - before
-                if sha is not None:
-                    ret[entry.name] = cache.entries[entry.path]
-        return ret
 
     def _set(self, man):
         self._manifest = man
