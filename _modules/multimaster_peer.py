@@ -144,11 +144,9 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     digests = digests or {}
     mopts = _master_opts()
     state_dir = _state_dir()
-    cache = None
     ret = {"master_id": mopts["id"], "errors": []}
-    seen = []
+    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir)
     for cat in categories:
-        errors = []
         if cat == "master_keys":
             pem, pub = _master_key_files(mopts, topology)
             ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub),
@@ -163,20 +161,13 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
             ret[cat] = _keys_inventory(mopts, state_dir, digests.get(cat) or {}, test, rescan)
             log.debug("multimaster: minion_keys inventory in %.3f s", time.monotonic() - started)
             continue
-        if cat not in ("file_roots", "pillar_roots"):
+        if cat not in roots:
             raise CommandExecutionError(f"unknown category: {cat!r}")
-        if cache is None:
-            cache = manifest.open_hashcache(state_dir, manifest.ROOTS_HASHCACHE)
-        man = manifest.roots_manifest(
-            mopts.get(cat), manifest.Ignore.from_opts(mopts), cache, seen=seen, errors=errors
-        )
-        parts = manifest.split(cat, man)
+        parts = manifest.split(cat, roots[cat])
         mine = manifest.bucket_digests(parts)
         diff = manifest.differing(digests.get(cat) or {}, mine)
-        ret[cat] = {"digest": mine, "errors": errors, "buckets": diff,
+        ret[cat] = {"digest": mine, "errors": roots_errors[cat], "buckets": diff,
                     "manifest": manifest.merge(parts, diff), "envs": sorted(mopts.get(cat) or {})}
-    if cache is not None:
-        cache.save(keep=seen if {"file_roots", "pillar_roots"} <= set(categories) else None)
     return ret
 
 

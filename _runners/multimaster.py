@@ -206,8 +206,10 @@ def _primary_state(conf, categories, saved=None):
 
     cache_dir = _state_dir()
     saved = saved or {}
-    cache = None
-    seen, errors, state = [], [], {}
+    errors, state = [], {}
+    started = time.monotonic()
+    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir)
+    log.debug("multimaster: roots read in %.3f s", time.monotonic() - started)
     for cat in categories:
         started = time.monotonic()
         if cat == "minion_keys":
@@ -216,13 +218,9 @@ def _primary_state(conf, categories, saved=None):
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts()}
-        elif cat in ("file_roots", "pillar_roots"):
-            if cache is None:
-                cache = manifest.open_hashcache(cache_dir, manifest.ROOTS_HASHCACHE)
-            man = manifest.roots_manifest(
-                __opts__.get(cat), manifest.Ignore.from_opts(__opts__), cache,
-                seen=seen, errors=errors,
-            )
+        elif cat in roots:
+            man = roots[cat]
+            errors.extend(roots_errors[cat])
             parts = manifest.split(cat, man)
             digest = manifest.bucket_digests(parts)
             last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
@@ -238,9 +236,6 @@ def _primary_state(conf, categories, saved=None):
         elif cat == "master_config":
             state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
         log.debug("multimaster: %s read in %.3f s", cat, time.monotonic() - started)
-    if cache is not None:
-        # entries of files no longer served are dropped (both roots were listed)
-        cache.save(keep=seen if {"file_roots", "pillar_roots"} <= set(categories) else None)
     state["errors"] = errors
     return state
 

@@ -263,6 +263,26 @@ def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None):
     }
 
 
+def read_roots(opts, categories, state_dir):
+    """
+    ``({category: roots_manifest}, {category: errors})`` of the
+    ``file_roots``/``pillar_roots`` among ``categories``, through the roots
+    hash cache in ``state_dir`` (entries of files no longer served dropped
+    when both were read).
+    """
+    cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
+    if not cats:
+        return {}, {}
+    cache = open_hashcache(state_dir, ROOTS_HASHCACHE)
+    seen, mans, errors = [], {}, {}
+    for cat in cats:
+        errors[cat] = []
+        mans[cat] = roots_manifest(opts.get(cat), Ignore.from_opts(opts), cache, seen=seen,
+                                   errors=errors[cat])
+    cache.save(keep=seen if len(cats) == 2 else None)
+    return mans, errors
+
+
 def locate(roots, rel):
     """The path serving ``rel`` in a merged view, or None."""
     for root in roots:
