@@ -112,12 +112,17 @@ class Batch:
         tmp = os.path.join(self._stage_dir(os.path.dirname(path) or "."), str(len(self.staged)))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            with os.fdopen(fd, "wb") as fh:
-                os.fchmod(fh.fileno(), mode)
-                fh.write(data)
+            # plain os.write: no buffered file object per file (tens of
+            # thousands of small keys in a sync)
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
         except BaseException:
+            os.close(fd)
             _unlink(tmp)
             raise
+        os.close(fd)
         self.staged.append((tmp, path))
 
     def remove(self, path):
