@@ -505,7 +505,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
         peer_pub = fh.read()
     pullable = _pull_allowed(peer)
     # Many file_roots files travel through the pull when peer_run allows it
-    # (a few large replies; each peer_run call costs Salt a second or two),
+    # (a few large replies; each peer_run call costs Salt a few tenths of a second),
     # a few through the fileserver (a request or two per file).
     files = [op for op in ops.get("file_roots", []) if op["op"] == "write"]
     pull_files = pullable and (
@@ -596,43 +596,11 @@ def _revoke(token):
             pass
 
 
-def _job_args(**kwargs):
-    """A runner job's arguments as its record lists them (``key=value``)."""
-    return [f"{k}={v}" for k, v in kwargs.items() if v is not None and not k.startswith("__")]
-
-
 def _record_job(fun, tgt, arg):
-    """
-    Save this runner job's record in the job cache (local_cache) before Salt
-    does, with its one target: ``tgt``, the id the job runs as (the calling
-    peer for ``peer_run``, this master's id for ``salt-run``).
+    """Save this job's record naming its one target (see ``salt_multimaster.jobs``)."""
+    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
-    After a runner job, Salt's ``store_job`` saves its record unless it is
-    already there, and to save it works out the job's targets by listing
-    every minion key (``CkMinions.check_minions``): about two seconds on a
-    master with 20,000 keys, for each sync and for each chunk a peer pulls.
-    Here the target is one id, known.  Salt still adds the return.  Any
-    failure here leaves the record to Salt.
-    """
-    import salt.utils.user  # pylint: disable=import-outside-toplevel
-
-    jid = globals().get("__jid__")
-    if (not jid or not tgt or any(c in str(tgt) for c in "*?[")
-            or not __opts__.get("job_cache", True) or __opts__.get("ext_job_cache")
-            or __opts__.get("master_job_cache", "local_cache") != "local_cache"):
-        return
-    # a glob of one id matches that id when its key is accepted, as Salt's
-    # own check_minions would find
-    minions = [tgt] if os.path.isfile(os.path.join(__opts__["pki_dir"], "minions", tgt)) else []
-    load = {"jid": jid, "id": tgt, "tgt": tgt, "tgt_type": "glob", "fun": f"runner.{fun}",
-            "arg": arg, "user": salt.utils.user.get_specific_user()}
-    try:
-        import salt.loader  # pylint: disable=import-outside-toplevel
-
-        returners = salt.loader.returners(__opts__, {})
-        returners["local_cache.save_load"](jid, load, minions=minions)
-    except Exception as exc:  # pylint: disable=broad-except
-        log.debug("multimaster: job %s record left to Salt: %s", jid, exc)
+    jobs.record(__opts__, globals().get("__jid__"), fun, tgt, arg)
 
 
 def pull(request):
@@ -861,8 +829,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
     """
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
+    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
+
     _record_job("multimaster.sync", __opts__.get("id"),
-                _job_args(peers=peers, only=only, test=test or None, force=force or None,
+                jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                           minion_ids=minion_ids, **kwargs))
     try:
         conf = _conf(dict(kwargs, peers=peers))
@@ -939,7 +909,9 @@ def status(peers=None, **kwargs):
     """
     import salt.utils.crypt  # pylint: disable=import-outside-toplevel
 
-    _record_job("multimaster.status", __opts__.get("id"), _job_args(peers=peers, **kwargs))
+    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
+
+    _record_job("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs))
     try:
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
@@ -1057,6 +1029,12 @@ def audit(
     import salt.version
     import salt_multimaster.fleet
 
+    from salt_multimaster import jobs
+
+    _record_job("multimaster.audit", __opts__.get("id"),
+                jobs.args(tgt=tgt, tgt_type=tgt_type, timeout=timeout, masters=masters,
+                          master_finger=master_finger, topology=topology,
+                          master_version=master_version))
     if not tgt or not isinstance(tgt, (str, list)):
         raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")
     try:

@@ -22,9 +22,9 @@ def item_name(cat, op):
 
 
 # A pull reply carries at most about this much content, or this many items:
-# each peer_run call costs the primary a second or more of Salt's own work
-# (a MasterMinion, and a listing of every minion key to store the job), so
-# few large replies.
+# each peer_run call costs the primary Salt's own work (a Runner and a
+# MasterMinion, the return stored, an event, the reply encrypted), so a few
+# large replies, two in flight while the peer writes the one before.
 PULL_CHUNK_BYTES = 64 * 1024 * 1024
 PULL_CHUNK_ITEMS = 50000
 KEY_WEIGHT = 1024  # a minion public key is about 450 bytes

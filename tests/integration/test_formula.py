@@ -435,6 +435,16 @@ def test_key_burst_is_coalesced(frr):
         time.sleep(5)
         syncs = log.read_text(errors="replace").count("syncing the keys of") - before
         assert 1 <= syncs < len(ids), syncs
+        # each key_event job saved its own record (Salt's would list every
+        # key for each event, and carry the return); the syncs it ran under
+        # its jid left that record alone
+        events = frr.job_records(frr.primary, "runner.multimaster_reactor.key_event")
+        assert len(events) >= len(ids), events
+        for _jid, load, minions in events:
+            assert "return" not in load and load["tgt"] == frr.primary.config["id"], load
+            assert minions == []
+        assert not {jid for jid, _, _ in events} & {
+            jid for jid, _, _ in frr.job_records(frr.primary, "runner.multimaster.sync")}
     finally:
         for m in minions:
             m.terminate()

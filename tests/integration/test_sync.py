@@ -194,20 +194,6 @@ def test_sync_replicates_everything(cluster):
     assert not any((pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster" / "pull").iterdir())
 
 
-def _job_records(cluster, master, fun):
-    """``[(jid, load, minions)]`` of every ``fun`` job in the master's job cache."""
-    import salt.payload  # pylint: disable=import-outside-toplevel
-
-    ret = []
-    for load in cluster.job_cache(master).glob("*/*/.load.p"):
-        with open(load, "rb") as fh:
-            data = salt.payload.load(fh)
-        if data.get("fun") == fun:
-            with open(load.parent / ".minions.p", "rb") as fh:
-                ret.append((data["jid"], data, salt.payload.load(fh)))
-    return sorted(ret, key=lambda rec: rec[0])
-
-
 def test_job_records_name_their_one_target(cluster):
     """
     A sync's job record, and the record of each pull a peer makes, name their
@@ -216,7 +202,7 @@ def test_job_records_name_their_one_target(cluster):
     """
     ret = cluster.salt_run(cluster.primary, "multimaster.status")
     assert ret.returncode == 0, ret.stdout
-    jid, load, minions = _job_records(cluster, cluster.primary, "runner.multimaster.status")[-1]
+    jid, load, minions = cluster.job_records(cluster.primary, "runner.multimaster.status")[-1]
     master_id = cluster.primary.config["id"]
     # Salt's own record of a runner job carries the whole return; this one
     # was saved before the job ended
@@ -234,7 +220,7 @@ def test_job_records_name_their_one_target(cluster):
                        "arg=request=bogus", minion_tgt=pm.id)
     assert ret.returncode == 0, ret.stdout
     assert "unknown or malformed pull request" in str(ret.data), ret.data
-    jid, load, minions = _job_records(cluster, cluster.primary, "runner.multimaster.pull")[-1]
+    jid, load, minions = cluster.job_records(cluster.primary, "runner.multimaster.pull")[-1]
     assert "return" not in load, load
     assert (load["tgt"], minions) == (pm.id, [pm.id])
     assert any(cluster.job_cache(cluster.primary).glob(f"*/*/{pm.id}/return.p"))

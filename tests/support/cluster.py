@@ -27,6 +27,7 @@ import sys
 import time
 
 import salt.config
+import salt.payload
 import salt.utils.crypt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -372,6 +373,17 @@ class Cluster:
     @staticmethod
     def job_cache(master):
         return pathlib.Path(master.config["cachedir"]) / "jobs"
+
+    def job_records(self, master, fun):
+        """``[(jid, load, minions)]`` of every ``fun`` job in the master's job cache, oldest first."""
+        ret = []
+        for load in self.job_cache(master).glob("*/*/.load.p"):
+            with open(load, "rb") as fh:
+                data = salt.payload.load(fh)
+            if data.get("fun") == fun:
+                with open(load.parent / ".minions.p", "rb") as fh:
+                    ret.append((data["jid"], data, salt.payload.load(fh)))
+        return sorted(ret, key=lambda rec: rec[0])
 
     @staticmethod
     def master_fingerprint(master):

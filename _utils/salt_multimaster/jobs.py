@@ -1,0 +1,71 @@
+"""
+The job record of a runner job, saved by the job itself.
+
+When a runner job ends, Salt's ``store_job`` saves the job's record in the
+job cache unless it is already there, and to save it works out the job's
+targets with ``CkMinions.check_minions``, which lists every minion key:
+about two seconds on a master with 20,000 keys, paid by every ``salt-run``,
+every reactor runner and every ``peer_run`` call.  A runner job of this
+extension targets one id it knows (the master it runs on, or the peer that
+called it), so it saves that record itself, through the job cache's own
+``save_load``, naming that one target; Salt then only adds the return.
+"""
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+GLOB_CHARS = "*?["
+
+
+def record(opts, jid, fun, tgt, arg, returners=None):
+    """
+    Save the record of runner job ``jid`` running ``fun`` (``"module.func"``)
+    as ``tgt`` with the arguments ``arg`` (a list).  Return True when saved.
+
+    Nothing is saved (Salt saves the record as usual) unless the job cache
+    is the master's ``local_cache`` (the only one whose ``store_job`` looks
+    for a saved record), ``jid`` is the job running ``fun`` itself (not
+    another runner calling it), and ``tgt`` is one plain id.  ``returners``:
+    a loader of returners (default: ``salt.loader.returners(opts, {})``).
+    """
+    if (not jid or not tgt or any(c in str(tgt) for c in GLOB_CHARS)
+            or not opts.get("job_cache", True) or opts.get("ext_job_cache")
+            or opts.get("master_job_cache", "local_cache") != "local_cache"):
+        return False
+    # pylint: disable=import-outside-toplevel
+    import salt.payload
+    import salt.utils.user
+
+    # Salt notes each running runner job in cachedir/proc/<jid>: a function
+    # called by another runner (the reactor's key_event calling sync) runs
+    # under that runner's jid and leaves its record alone
+    try:
+        with open(os.path.join(opts["cachedir"], "proc", str(jid)), "rb") as fh:
+            running = salt.payload.load(fh)
+    except (OSError, ValueError, TypeError) as exc:
+        log.debug("multimaster: job %s: no proc file (%s), record left to Salt", jid, exc)
+        return False
+    if not isinstance(running, dict) or running.get("fun") != f"runner.{fun}":
+        return False
+    # a glob of one id matches that id when its key is accepted, as Salt's
+    # own check_minions would find
+    accepted = os.path.isfile(os.path.join(opts["pki_dir"], "minions", str(tgt)))
+    load = {"jid": jid, "id": tgt, "tgt": tgt, "tgt_type": "glob", "fun": f"runner.{fun}",
+            "arg": list(arg), "user": running.get("user") or salt.utils.user.get_specific_user()}
+    try:
+        if returners is None:
+            import salt.loader  # pylint: disable=import-outside-toplevel
+
+            returners = salt.loader.returners(opts, {})
+        returners["local_cache.save_load"](jid, load, minions=[tgt] if accepted else [])
+    except Exception as exc:  # pylint: disable=broad-except
+        log.debug("multimaster: job %s record left to Salt: %s", jid, exc)
+        return False
+    return True
+
+
+def args(**kwargs):
+    """A runner job's arguments as its record lists them (``key=value``)."""
+    return [f"{k}={v}" for k, v in kwargs.items() if v is not None and not k.startswith("__")]

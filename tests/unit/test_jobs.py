@@ -1,0 +1,88 @@
+"""
+salt_multimaster.jobs.record: a runner job saves its own record, naming its
+one target, only when it is the job running and the job cache would look
+for it.
+"""
+
+import os
+
+import pytest
+import salt.payload
+
+from salt_multimaster import jobs
+
+
+@pytest.fixture
+def opts(tmp_path):
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "pki" / "minions").mkdir(parents=True)
+    (tmp_path / "pki" / "minions" / "peer1").write_text("pub")
+    return {"cachedir": str(tmp_path), "pki_dir": str(tmp_path / "pki"), "job_cache": True,
+            "master_job_cache": "local_cache"}
+
+
+def _running(opts, jid, fun, user="root"):
+    with open(os.path.join(opts["cachedir"], "proc", jid), "wb") as fh:
+        salt.payload.dump({"fun": fun, "jid": jid, "user": user, "pid": 1}, fh)
+
+
+class _Returners(dict):
+    def __init__(self, fail=False):
+        super().__init__()
+        self.calls = []
+
+        def save_load(jid, load, minions=None):
+            if fail:
+                raise OSError("disk full")
+            self.calls.append((jid, load, minions))
+
+        self["local_cache.save_load"] = save_load
+
+
+def test_the_running_job_records_its_one_target(opts):
+    _running(opts, "1", "runner.multimaster.pull", user="salt")
+    rets = _Returners()
+    assert jobs.record(opts, "1", "multimaster.pull", "peer1", ["request=x"], rets) is True
+    assert rets.calls == [("1", {
+        "jid": "1", "id": "peer1", "tgt": "peer1", "tgt_type": "glob",
+        "fun": "runner.multimaster.pull", "arg": ["request=x"], "user": "salt",
+    }, ["peer1"])]
+
+
+def test_a_target_without_an_accepted_key_matches_no_minion(opts):
+    _running(opts, "2", "runner.multimaster.sync")
+    rets = _Returners()
+    assert jobs.record(opts, "2", "multimaster.sync", "m1_master", [], rets) is True
+    assert rets.calls[0][2] == []
+
+
+@pytest.mark.parametrize("case", ["nested", "no proc file", "other job cache", "no job cache",
+                                  "ext_job_cache", "glob target", "no jid"])
+def test_left_to_salt(opts, case):
+    jid, tgt = "3", "peer1"
+    if case != "no proc file":
+        # the reactor's key_event calls sync under its own jid
+        _running(opts, jid, "runner.multimaster_reactor.key_event" if case == "nested"
+                 else "runner.multimaster.sync")
+    if case == "other job cache":
+        opts["master_job_cache"] = "redis"
+    elif case == "no job cache":
+        opts["job_cache"] = False
+    elif case == "ext_job_cache":
+        opts["ext_job_cache"] = "redis"
+    elif case == "glob target":
+        tgt = "peer*"
+    elif case == "no jid":
+        jid = None
+    rets = _Returners()
+    assert jobs.record(opts, jid, "multimaster.sync", tgt, [], rets) is False
+    assert rets.calls == []
+
+
+def test_a_failing_save_is_left_to_salt(opts):
+    _running(opts, "4", "runner.multimaster.sync")
+    assert jobs.record(opts, "4", "multimaster.sync", "peer1", [], _Returners(fail=True)) is False
+
+
+def test_args_lists_what_was_given():
+    assert jobs.args(peers="a,b", only=None, test=True, __pub_user="x") == ["peers=a,b", "test=True"]
