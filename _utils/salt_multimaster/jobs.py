@@ -38,14 +38,18 @@ def record(opts, jid, fun, tgt, arg, returners=None):
     import salt.payload
     import salt.utils.user
 
-    # Salt notes each running runner job in cachedir/proc/<jid>: a function
-    # called by another runner (the reactor's key_event calling sync) runs
-    # under that runner's jid and leaves its record alone
+    # A function called by another runner (the reactor's key_event calling
+    # sync, an orchestration) runs under that runner's jid and leaves its
+    # record alone.  Salt 3008 notes each running runner job, with its
+    # function, in cachedir/proc/<jid>; Salt 3007 does not, and there only
+    # the job salt-run or peer_run started (opts["fun"]) is recognised.
     try:
         with open(os.path.join(opts["cachedir"], "proc", str(jid)), "rb") as fh:
             running = salt.payload.load(fh)
+    except FileNotFoundError:
+        running = {"fun": f"runner.{opts['fun']}"} if opts.get("fun") == fun else None
     except (OSError, ValueError, TypeError) as exc:
-        log.debug("multimaster: job %s: no proc file (%s), record left to Salt", jid, exc)
+        log.debug("multimaster: job %s: unreadable proc file (%s), record left to Salt", jid, exc)
         return False
     if not isinstance(running, dict) or running.get("fun") != f"runner.{fun}":
         return False

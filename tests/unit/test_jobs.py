@@ -79,6 +79,18 @@ def test_left_to_salt(opts, case):
     assert rets.calls == []
 
 
+def test_without_a_proc_file_the_started_function_records(opts):
+    # Salt 3007 writes no proc file: the function salt-run or peer_run
+    # started is in the opts
+    rets = _Returners()
+    assert jobs.record(dict(opts, fun="multimaster.sync"), "5", "multimaster.sync", "peer1",
+                       [], rets) is True
+    assert rets.calls[0][1]["fun"] == "runner.multimaster.sync"
+    # an orchestration calling sync: left to Salt
+    assert jobs.record(dict(opts, fun="state.orch"), "6", "multimaster.sync", "peer1",
+                       [], rets) is False
+
+
 def test_a_failing_save_is_left_to_salt(opts):
     _running(opts, "4", "runner.multimaster.sync")
     assert jobs.record(opts, "4", "multimaster.sync", "peer1", [], _Returners(fail=True)) is False
