@@ -16,6 +16,7 @@ ids).  Configuration lives in the primary's master config:
 Keyword arguments of each function override it.
 """
 
+import contextlib
 import logging
 import os
 import time
@@ -596,11 +597,20 @@ def _revoke(token):
             pass
 
 
-def _record_job(fun, tgt, arg):
-    """Save this job's record naming its one target (see ``salt_multimaster.jobs``)."""
+@contextlib.contextmanager
+def _job_record(fun, tgt, arg):
+    """
+    Save this job's record naming its one target (``salt_multimaster.jobs``)
+    in a thread while the job runs; saved before the job returns, so before
+    Salt stores the job.
+    """
     from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
-    jobs.record(__opts__, globals().get("__jid__"), fun, tgt, arg)
+    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), fun, tgt, arg)
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def pull(request):
@@ -626,6 +636,12 @@ def pull(request):
 
         salt master02 publish.runner multimaster.pull
     """
+    caller = __opts__.get("id")
+    with _job_record("multimaster.pull", caller, [f"request={request}"]):
+        return _pull(request, caller, globals().get("__jid__"))
+
+
+def _pull(request, caller, jid):
     import base64  # pylint: disable=import-outside-toplevel
     import json  # pylint: disable=import-outside-toplevel
     import time  # pylint: disable=import-outside-toplevel
@@ -634,9 +650,6 @@ def pull(request):
 
     from salt_multimaster import seal  # pylint: disable=import-outside-toplevel
 
-    caller = __opts__.get("id")
-    jid = globals().get("__jid__")
-    _record_job("multimaster.pull", caller, [f"request={request}"])
     try:
         req = json.loads(base64.urlsafe_b64decode(request + "=" * (-len(request) % 4)))
         token, index = str(req["token"]), int(req["chunk"])
@@ -827,13 +840,17 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         salt-run multimaster.sync minion_ids=web01,web02
         salt-run multimaster.sync rescan=True
     """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
     from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
-    _record_job("multimaster.sync", __opts__.get("id"),
-                jobs.args(peers=peers, only=only, test=test or None, force=force or None,
-                          minion_ids=minion_ids, **kwargs))
+    with _job_record("multimaster.sync", __opts__.get("id"),
+                     jobs.args(peers=peers, only=only, test=test or None, force=force or None,
+                               minion_ids=minion_ids, **kwargs)):
+        return _sync(peers, only, test, force, minion_ids, **kwargs)
+
+
+def _sync(peers, only, test, force, minion_ids, **kwargs):
+    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+
     try:
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
@@ -907,11 +924,15 @@ def status(peers=None, **kwargs):
         salt-run multimaster.status
         salt-run multimaster.status peers=master02
     """
-    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
-
     from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
-    _record_job("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs))
+    with _job_record("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs)):
+        return _status(peers, **kwargs)
+
+
+def _status(peers, **kwargs):
+    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+
     try:
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
@@ -1023,18 +1044,22 @@ def audit(
         salt-run multimaster.audit tgt='web*' --out=json
         salt-run multimaster.audit tgt=G@os:Debian tgt_type=compound
     """
+    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
+
+    with _job_record("multimaster.audit", __opts__.get("id"),
+                     jobs.args(tgt=tgt, tgt_type=tgt_type, timeout=timeout, masters=masters,
+                               master_finger=master_finger, topology=topology,
+                               master_version=master_version)):
+        return _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version)
+
+
+def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version):
     # pylint: disable=import-outside-toplevel
     import salt.client
     import salt.utils.minions
     import salt.version
     import salt_multimaster.fleet
 
-    from salt_multimaster import jobs
-
-    _record_job("multimaster.audit", __opts__.get("id"),
-                jobs.args(tgt=tgt, tgt_type=tgt_type, timeout=timeout, masters=masters,
-                          master_finger=master_finger, topology=topology,
-                          master_version=master_version))
     if not tgt or not isinstance(tgt, (str, list)):
         raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")
     try:

@@ -11,8 +11,10 @@ called it), so it saves that record itself, through the job cache's own
 ``save_load``, naming that one target; Salt then only adds the return.
 """
 
+import contextvars
 import logging
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,20 @@ def record(opts, jid, fun, tgt, arg, returners=None):
         log.debug("multimaster: job %s record left to Salt: %s", jid, exc)
         return False
     return True
+
+
+def record_in_thread(opts, jid, fun, tgt, arg):
+    """
+    :func:`record` in a thread started here, so that the job goes on
+    meanwhile (loading the job cache takes a few tenths of a second); the
+    thread runs in a copy of this context (Salt's loader dunders are context
+    variables).  Join it before the job returns.
+    """
+    thread = threading.Thread(target=contextvars.copy_context().run,
+                              args=(record, opts, jid, fun, tgt, arg),
+                              name="multimaster-job-record", daemon=True)
+    thread.start()
+    return thread
 
 
 def args(**kwargs):

@@ -96,5 +96,22 @@ def test_a_failing_save_is_left_to_salt(opts):
     assert jobs.record(opts, "4", "multimaster.sync", "peer1", [], _Returners(fail=True)) is False
 
 
+def test_record_in_thread_saves_through_the_job_cache(opts):
+    import salt.config  # pylint: disable=import-outside-toplevel
+    import salt.utils.jid  # pylint: disable=import-outside-toplevel
+
+    _running(opts, "7", "runner.multimaster.sync")
+    master = salt.config.master_config("/dev/null")
+    master.update(opts, hash_type="sha256")
+    thread = jobs.record_in_thread(master, "7", "multimaster.sync", "peer1", ["a=1"])
+    thread.join()
+    # the real local_cache saved the record where Salt's store_job looks for it
+    jid_dir = salt.utils.jid.jid_dir("7", os.path.join(opts["cachedir"], "jobs"), "sha256")
+    with open(os.path.join(jid_dir, ".load.p"), "rb") as fh:
+        assert salt.payload.load(fh)["arg"] == ["a=1"]
+    with open(os.path.join(jid_dir, ".minions.p"), "rb") as fh:
+        assert salt.payload.load(fh) == ["peer1"]
+
+
 def test_args_lists_what_was_given():
     assert jobs.args(peers="a,b", only=None, test=True, __pub_user="x") == ["peers=a,b", "test=True"]
