@@ -521,10 +521,9 @@ def _restart_master():
     return "restart_required"
 
 
-# Chunk requests in flight while the current chunk is written (the keys and the
-# first file chunk): each reply waits on the primary listing every minion key
-# to store the peer_run job, so more in flight only slows the first one.
-PULL_AHEAD = 2
+# Chunk requests in flight while the current chunk is written: the primary
+# serves them on separate MWorkers (see replicate.PULL_CHUNK_BYTES).
+PULL_AHEAD = 3
 
 
 class _Puller:
@@ -534,7 +533,7 @@ class _Puller:
     ``multimaster.pull`` (peer_run: a request-channel round trip to the
     primary only, its reply sealed to this minion's key).  The first chunk
     carries the operations; the next chunks are fetched while the current
-    one is written: two requests in flight, at most three chunks held.
+    one is written: three requests in flight, at most four chunks held.
     """
 
     def __init__(self, app, token, count):
