@@ -51,6 +51,7 @@ import os
 import pathlib
 import pstats
 import random
+import re
 import shutil
 import signal
 import socket
@@ -329,6 +330,16 @@ def quiet_salt_logging():
     logging.getLogger().addHandler(logging.NullHandler())
 
 
+BLOB_RUNNER = '''
+import os
+
+
+def blob(size):
+    """bench only: ``size`` random bytes, returned like a multimaster.pull chunk"""
+    return {"outputter": "no_return", "data": {"sealed": os.urandom(int(size))}}
+'''
+
+
 def build_cluster(root, stack, peers, primary_conf=None):
     from tests.support.cluster import Cluster, standalone_factories  # pylint: disable=import-outside-toplevel
 
@@ -349,9 +360,15 @@ def build_cluster(root, stack, peers, primary_conf=None):
     peer_ids = [m.id for m in cluster.peer_minions]
     # the product's recommended setup: peers pull bulk key/pillar contents
     # point-to-point (multimaster.pull through peer_run) instead of the publish
+    # bench only: a runner returning N random bytes the way multimaster.pull
+    # returns a chunk, to measure what Salt's peer_run costs per byte
+    runners = pathlib.Path(root) / "bench-runners"
+    runners.mkdir(exist_ok=True)
+    (runners / "mmbench.py").write_text(BLOB_RUNNER)
     dropin.write_text(salt.utils.yaml.safe_dump({
         "multimaster": {"peers": peer_ids},
-        "peer_run": {"^(" + "|".join(peer_ids) + ")$": ["multimaster.pull"]},
+        "peer_run": {"^(" + "|".join(peer_ids) + ")$": ["multimaster.pull", "mmbench.blob"]},
+        "runner_dirs": [str(runners)],
     }))
     if primary_conf:
         # a tuning measured on the whole run (the primary daemon reads it)
@@ -571,6 +588,7 @@ class Bench:
             self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
 
         phases = [("where the time goes", self.breakdown, peer1),
+                  ("Salt's transport floor (peer_run)", self.transport_floor, peer1),
                   ("what lowers the floor", self.tunings)]
         if a.profile:
             phases += [
@@ -642,6 +660,68 @@ with salt.client.LocalClient(mopts=opts) as client:
             out[label].append(time.perf_counter() - t)
 print(json.dumps(out))
 """
+
+    TRANSPORT_CODE = """
+import concurrent.futures, contextvars, json, sys, time
+import salt.client, salt.config, salt.minion
+opts = salt.config.minion_config(sys.argv[1])
+opts["master"] = sys.argv[2]
+opts.update(salt.minion.resolve_dns(opts))
+caller = salt.client.Caller(mopts=opts)
+total, chunk, ahead, n = (int(x) for x in sys.argv[3:7])
+sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+
+def one(size):
+    ret = caller.cmd("publish.runner", "mmbench.blob", arg=[f"size={size}"], timeout=300)
+    return len(ret["data"]["sealed"])
+
+def run(sizes):
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(ahead) as pool:
+        got = list(pool.map(lambda z: contextvars.copy_context().run(one, z), sizes))
+    assert got == sizes, (got, sizes)
+    return time.perf_counter() - t
+
+run([10])  # connect and authenticate once
+out = {"calls": len(sizes), "bytes": total, "empty": [], "full": []}
+for _ in range(n):
+    out["empty"].append(run([10] * len(sizes)))
+    out["full"].append(run(sizes))
+print(json.dumps(out))
+"""
+
+    def transport_floor(self, peer):
+        """
+        Salt's own cost of moving an initial sync's bytes by peer_run, as the
+        sync's pull does (same chunk size, same requests in flight), from the
+        peer minion's identity in one process, with nothing read or written
+        on either side: what the sync cannot go under on this machine.
+        """
+        sys.path.insert(0, str(self.root / "site"))
+        from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+
+        minion = self.cluster.peer_minions[self.peer_ids.index(peer)]
+        total = self.res["bytes"] + self.res["keys"] * 450  # files + keys (~450 B each)
+        proc = subprocess.run(
+            [sys.executable, "-c", self.TRANSPORT_CODE, minion.config_file,
+             self.primary.config["interface"], str(total), str(replicate.PULL_CHUNK_BYTES),
+             str(self._pull_ahead()), str(self.args.repeat)],
+            env=self.env, capture_output=True, text=True, check=False, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"transport floor failed: {proc.stderr[-2000:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        calls = out["calls"]
+        for secs in out["empty"]:
+            self.record(f"transport: {calls} peer_run calls of 10 bytes", secs)
+        for secs in out["full"]:
+            self.record(f"transport: {calls} peer_run calls, {total / 1e6:.0f} MB in all", secs)
+        self.res["transport"] = {"calls": calls, "bytes": total,
+                                 "empty": f"transport: {calls} peer_run calls of 10 bytes",
+                                 "full": f"transport: {calls} peer_run calls, {total / 1e6:.0f} MB in all"}
+
+    def _pull_ahead(self):
+        text = (self.root / "site" / "salt_multimaster" / "modules" / "multimaster_peer.py").read_text()
+        return int(re.search(r"^PULL_AHEAD = (\d+)", text, re.M).group(1))
 
     def client_roundtrip(self, peer):
         """
@@ -871,6 +951,21 @@ print(json.dumps(out))
                     + ("yes" if ratio2 <= row["goal"] else "NO"))
                 row.update(bare_net=net2, bare_ratio=ratio2)
             self.res["bare_floor"] = bare
+        tr = self.res.get("transport")
+        if tr and tr["full"] in self.res["runs"]:
+            full, empty = self.med(tr["full"]), self.med(tr["empty"])
+            add("")
+            add(f"Salt's transport floor: {tr['calls']} peer_run calls from the peer's minion moving "
+                f"{tr['bytes'] / 1e6:.0f} MB (the initial sync's bytes, its chunk size and requests "
+                f"in flight), nothing read or written: {fmt(full)} ({fmt(empty)} for the same calls "
+                "carrying 10 bytes)")
+            initial = table.get("initial")
+            if initial and bare == bare:
+                rest = initial["sync"] - bare - full
+                add(f"initial sync, 1 peer, net of the bare floor and of that transport: {fmt(rest)} "
+                    f"against rsync's whole {fmt(initial['rsync'])} ({rest / initial['rsync']:.2f}x); "
+                    f"the transport alone is {full / initial['rsync']:.2f}x rsync")
+                initial.update(transport=full, net_of_transport=rest)
         add("")
         add("all runs (median, [each run]):")
         for label, runs in self.res["runs"].items():
