@@ -335,8 +335,18 @@ import os
 
 
 def blob(size):
-    """bench only: ``size`` random bytes, returned like a multimaster.pull chunk"""
-    return {"outputter": "no_return", "data": {"sealed": os.urandom(int(size))}}
+    """
+    bench only: ``size`` random bytes, returned like a multimaster.pull
+    chunk, its job record saved like the pull saves its own
+    """
+    from salt_multimaster import jobs
+
+    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), "mmbench.blob",
+                                   __opts__.get("id"), [f"size={size}"])
+    try:
+        return {"outputter": "no_return", "data": {"sealed": os.urandom(int(size))}}
+    finally:
+        thread.join()
 '''
 
 
@@ -538,6 +548,7 @@ class Bench:
             self.reset_peer(0)
             self.sync([peer1], "sync initial, 1 peer", INITIAL_TIMEOUT)
         self.rsync([peer1], "rsync initial, 1 peer")
+        self.transport_floor(peer1)
         if self.args.profile:
             self.reset_peer(0)
             self.profile("initial-sync", ["multimaster.sync", f"peers={peer1}", INITIAL_TIMEOUT])
@@ -668,8 +679,8 @@ opts = salt.config.minion_config(sys.argv[1])
 opts["master"] = sys.argv[2]
 opts.update(salt.minion.resolve_dns(opts))
 caller = salt.client.Caller(mopts=opts)
-total, chunk, ahead, n = (int(x) for x in sys.argv[3:7])
-sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+sizes, ahead, n = json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+total = sum(sizes)
 
 def one(size):
     ret = caller.cmd("publish.runner", "mmbench.blob", arg=[f"size={size}"], timeout=300)
@@ -701,11 +712,20 @@ print(json.dumps(out))
         from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
 
         minion = self.cluster.peer_minions[self.peer_ids.index(peer)]
-        total = self.res["bytes"] + self.res["keys"] * 450  # files + keys (~450 B each)
+        # the chunks the sync pulls: its keys and files cut the way it cuts them
+        items = [("minion_keys", {"state": "minions", "id": p.name, "size": p.stat().st_size})
+                 for p in sorted((self.pki / "minions").iterdir())]
+        items += [("file_roots", {"env": "base", "rel": str(p.relative_to(self.base)),
+                                  "size": p.stat().st_size})
+                  for p in sorted(self.base.rglob("*")) if p.is_file()]
+        sizes = [0] * len(replicate.assign_chunks(items))
+        for _, op in items:
+            sizes[op["pull"]] += op["size"]
+        total = sum(sizes)
         proc = subprocess.run(
             [sys.executable, "-c", self.TRANSPORT_CODE, minion.config_file,
-             self.primary.config["interface"], str(total), str(replicate.PULL_CHUNK_BYTES),
-             str(self._pull_ahead()), str(self.args.repeat)],
+             self.primary.config["interface"], json.dumps(sizes), str(self._pull_ahead()),
+             str(self.args.repeat)],
             env=self.env, capture_output=True, text=True, check=False, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"transport floor failed: {proc.stderr[-2000:]}")
