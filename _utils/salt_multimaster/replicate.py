@@ -21,16 +21,12 @@ def item_name(cat, op):
     return f"{cat}/{op['env']}/{op['rel']}"
 
 
-# A pull reply carries at most about this much content, or this many items.
-# Each peer_run call costs the primary Salt's own work (a Runner, the return
-# stored, an event, the reply encrypted: a few tenths of a second, then about
-# 30 ms per MiB here), so replies are not tiny; but a peer writes a reply
-# only once it has all of it, so they are not huge either: 5,000 keys or
-# 24 MiB of files, three in flight while the peer writes the one before.
-# Measured on 20,000 keys + 110 MB: 8.7-8.9 s against 8.3-10.6 s with
-# 50,000 items / 64 MiB, two in flight.
-PULL_CHUNK_BYTES = 24 * 1024 * 1024
-PULL_CHUNK_ITEMS = 5000
+# A pull reply carries at most about this much content, or this many items:
+# each peer_run call costs the primary Salt's own work (a Runner and a
+# MasterMinion, the return stored, an event, the reply encrypted), so a few
+# large replies, two in flight while the peer writes the one before.
+PULL_CHUNK_BYTES = 64 * 1024 * 1024
+PULL_CHUNK_ITEMS = 50000
 KEY_WEIGHT = 1024  # a minion public key is about 450 bytes
 
 

@@ -77,17 +77,6 @@ def test_assign_chunks_keys_first_then_balanced_files():
     assert replicate.assign_chunks([]) == []
 
 
-def test_assign_chunks_defaults_keep_each_reply_small():
-    # an initial sync of 20,000 keys and 10,000 files of 11 KB: the first
-    # reply (which also carries the operations) holds 5,000 keys, not all of
-    # them, and no file chunk exceeds PULL_CHUNK_BYTES
-    keys = [("minion_keys", {"state": "minions", "id": f"m{i}"}) for i in range(20_000)]
-    files = [("file_roots", {"env": "base", "rel": f"f{i}", "size": 11_000}) for i in range(10_000)]
-    chunks = replicate.assign_chunks(keys + files)
-    assert [len(c) for c in chunks] == [5000] * 4 + [2000] * 5
-    assert 2000 * 11_000 <= replicate.PULL_CHUNK_BYTES
-
-
 def test_tree_manifest_ignores_and_confines_symlinks(tmp_path):
     root = tmp_path / "root"
     (root / ".git").mkdir(parents=True)
