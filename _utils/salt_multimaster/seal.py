@@ -73,9 +73,10 @@ def unseal(private_pem, blob, receiver, purpose):
     try:
         priv = serialization.load_pem_private_key(private_pem, password=None)
         if binary:
+            # slices of a memoryview: no copy of a bulk reply (tens of MiB)
             size = priv.key_size // 8
-            body = blob[len(BINARY_MAGIC):]
-            wrapped, nonce, ct = body[:size], body[size:size + 12], body[size + 12:]
+            body = memoryview(blob)[len(BINARY_MAGIC):]
+            wrapped, nonce, ct = bytes(body[:size]), bytes(body[size:size + 12]), body[size + 12:]
         else:
             wrapped, nonce, ct = (base64.b64decode(x) for x in blob[8:].split("."))
         key = priv.decrypt(wrapped, _oaep())

@@ -247,6 +247,11 @@ def test_seal_roundtrip_and_binding():
     assert seal.unseal(priv, as_text, "peer1", "pull/t") == b"bulk"
     with pytest.raises(seal.SealError):
         seal.unseal(priv, raw, "peer1", "pull/other")
+    # a bulk reply altered or cut short on the way is refused, not half read
+    tampered = raw[:-1] + bytes([raw[-1] ^ 1])
+    for bad in (tampered, raw[:len(seal.BINARY_MAGIC) + 100], raw[:-20]):
+        with pytest.raises(seal.SealError):
+            seal.unseal(priv, bad, "peer1", "pull/t")
 
 
 def test_atomic_write_modes_and_safe_join(tmp_path):
