@@ -307,6 +307,19 @@ def looks_like_pem(data):
     return data.lstrip().startswith(b"-----BEGIN ") and b"-----END " in data
 
 
+class _NotPem(ValueError):
+    """A file in a key dir that is not a PEM public key."""
+
+
+def _pem_key_sha_file(path):
+    """:func:`key_sha_file` of a PEM key; :class:`_NotPem` for anything else."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    if not looks_like_pem(data[:4096]):
+        raise _NotPem(path)
+    return key_sha(data)
+
+
 def _key_entry(state, name, full, cache, errors, entry=None):
     """
     The sha256 of one key file, or None when it is not a key Salt would use
@@ -325,15 +338,13 @@ def _key_entry(state, name, full, cache, errors, entry=None):
         st = entry.stat() if entry is not None else os.stat(full)
         if not stat.S_ISREG(st.st_mode):
             return None
-        before = cache.hashed
-        sha = cache.sha256(full, st, hasher=key_sha_file)
-        if cache.hashed != before and state != "minions_autosign":
-            # checked once, when hashed; a rejected file is never cached
-            with open(full, "rb") as fh:
-                if not looks_like_pem(fh.read(4096)):
-                    del cache.entries[full]
-                    errors.append(f"{state}/{name}: not a PEM public key, skipped")
-                    return None
+        # checked once, when hashed (one read); a rejected file is never cached
+        sha = cache.sha256(full, st, hasher=key_sha_file if state == "minions_autosign"
+                           else _pem_key_sha_file)
+    except _NotPem:
+        cache.hashed += 1  # read, like a key hashed
+        errors.append(f"{state}/{name}: not a PEM public key, skipped")
+        return None
     except FileNotFoundError:
         return None
     except OSError as exc:
