@@ -221,6 +221,7 @@ class _Applier:
         # writes 20,000 files into one directory
         self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
         self.dirs = set()
+        self.listings = {}
 
     def safe_join(self, root, rel):
         return fsutil.safe_join(root, rel, realpath=self.realpath)
@@ -239,8 +240,23 @@ class _Applier:
     def open_sealed(self, blob, purpose):
         return seal.unseal(self.minion_key(), blob, __opts__["id"], purpose)
 
+    def _listed(self, path):
+        """
+        Whether ``path`` exists, from one listing of its directory per sync:
+        an initial sync writes 20,000 keys into one directory, and a stat
+        of each costs more than the listing.
+        """
+        directory, name = os.path.split(path)
+        names = self.listings.get(directory)
+        if names is None:
+            try:
+                names = self.listings[directory] = frozenset(os.listdir(directory))
+            except OSError:
+                names = self.listings[directory] = frozenset()
+        return name in names
+
     def backup(self, path, rel):
-        if fsutil.backup(path, self.backup_root, rel):
+        if self._listed(path) and fsutil.backup(path, self.backup_root, rel):
             self.backed_up = True
 
     def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
