@@ -623,3 +623,37 @@ def _mm_quote(text):
     import shlex  # pylint: disable=import-outside-toplevel
 
     return shlex.quote(text)
+
+
+def pull_config(master_config=None):
+    """
+    The ``peer_run`` option that lets each peer of a primary master pull the
+    bulk of a sync (``multimaster.pull``) point-to-point: one entry per peer
+    listed in the primary's ``multimaster:peers``, matching that id only.
+    ``salt.multimaster.master`` writes it into the primary's master.d.
+
+    master_config
+        The primary's master config file (default: the minion option
+        ``multimaster.master_config``, else /etc/salt/master).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master01 multimaster.pull_config
+    """
+    # pylint: disable=import-outside-toplevel
+    from salt_multimaster import protocol
+
+    path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
+    if not os.path.isfile(path):
+        raise CommandExecutionError(f"no salt-master configuration at {path}")
+    conf = salt.config.master_config(path).get("multimaster") or {}
+    if not isinstance(conf, dict):
+        raise CommandExecutionError(f"{path}: the multimaster option must be a mapping")
+    peers = conf.get("peers") or []
+    if isinstance(peers, str):
+        peers = [p.strip() for p in peers.split(",") if p.strip()]
+    if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+        raise CommandExecutionError(f"{path}: multimaster:peers must be a list of minion ids")
+    return protocol.peer_run_config(peers)

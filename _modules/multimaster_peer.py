@@ -25,7 +25,7 @@ import salt.utils.yaml
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import fsutil, manifest, replicate, seal
+    from salt_multimaster import fsutil, manifest, protocol, replicate, seal
 
     HAS_CORE = True
 except ImportError:
@@ -117,6 +117,28 @@ def _fingerprint(path, opts):
     return salt.utils.crypt.pem_finger(path, sum_type=opts.get("hash_type", "sha256"))
 
 
+def _request(fun, sealed, given):
+    """
+    The keyword arguments of this call: the request the primary sealed to
+    this minion (``sealed``, published as ``{peer id: blob}``: the publish
+    reaches every minion, the arguments only this one), else those ``given``
+    on the command line.
+    """
+    if sealed is None:
+        return given
+    with open(os.path.join(__opts__["pki_dir"], "minion.pem"), "rb") as fh:
+        key = fh.read()
+    try:
+        kwargs = protocol.open_request(key, __opts__["id"], f"multimaster_peer.{fun}", sealed)
+    except protocol.ProtocolError as exc:
+        raise CommandExecutionError(f"multimaster_peer.{fun}: {exc}") from None
+    unknown = sorted(set(kwargs) - set(given))
+    if unknown:
+        raise CommandExecutionError(
+            f"multimaster_peer.{fun}: unknown arguments in the request: {', '.join(unknown)}")
+    return dict(given, **kwargs)
+
+
 def _dropin_path(mopts):
     include = mopts.get("default_include") or "master.d/*.conf"
     conf_dir = os.path.dirname(mopts["conf_file"])
@@ -124,7 +146,7 @@ def _dropin_path(mopts):
 
 
 def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
-              rescan=False):
+              rescan=False, sealed=None):
     """
     Report what this peer master holds, for the categories asked.
 
@@ -140,6 +162,15 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
 
         salt master02 multimaster_peer.inventory categories='[minion_keys]'
     """
+    args = _request("inventory", sealed, {
+        "categories": categories, "digests": digests, "topology": topology,
+        "config_keys": config_keys, "test": test, "rescan": rescan})
+    ret = _inventory(**args)
+    ret["protocol"] = protocol.PROTOCOL
+    return ret
+
+
+def _inventory(categories, digests, topology, config_keys, test, rescan):
     categories = categories or list(replicate.CATEGORIES)
     digests = digests or {}
     mopts = _master_opts()
@@ -369,7 +400,7 @@ def _update_history(ops, report):
     fsutil.atomic_write(_history_path(), salt.utils.json.dumps(sorted(history)), mode=0o600)
 
 
-def mirror_keys(keys, force=False, test=False):
+def mirror_keys(keys=None, force=False, test=False, sealed=None):
     """
     Make the keys of a few minion ids mirror the primary's, in one round trip:
     what the primary's reactor sends after ``salt/key`` events.
@@ -386,6 +417,13 @@ def mirror_keys(keys, force=False, test=False):
 
         salt-run multimaster.sync only=minion_keys minion_ids=web01
     """
+    args = _request("mirror_keys", sealed, {"keys": keys, "force": force, "test": test})
+    ret = _mirror_keys(**args)
+    ret["protocol"] = protocol.PROTOCOL
+    return ret
+
+
+def _mirror_keys(keys, force, test):
     mopts = _master_opts()
     errors = []
     primary = {state: {} for state in manifest.KEY_STATES}
@@ -644,7 +682,7 @@ def _apply_categories(app, ops, topology):
     return ret
 
 
-def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0):
+def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -661,6 +699,14 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0):
 
         salt-run multimaster.sync peers=master02
     """
+    args = _request("apply", sealed, {"ops": ops, "topology": topology,
+                                      "pull_token": pull_token, "pull_chunks": pull_chunks})
+    ret = _apply(**args)
+    ret["protocol"] = protocol.PROTOCOL
+    return ret
+
+
+def _apply(ops, topology, pull_token, pull_chunks):
     mopts = _master_opts()
     app = _Applier(mopts)
     if pull_token:

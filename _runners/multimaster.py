@@ -366,15 +366,22 @@ def _unplannable(categories, primary, inv, sent):
 
 
 class _Job:
-    """A publish to the peers whose returns are read later: the caller works meanwhile."""
+    """
+    A publish to the peers whose returns are read later: the caller works
+    meanwhile.  The keyword arguments are sealed to each peer
+    (:mod:`salt_multimaster.protocol`): the publish reaches every minion.
+    """
 
     def __init__(self, peers, fun, kwarg, timeout):
+        from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
         self.peers = list(peers)
         self.timeout = timeout
+        sealed = protocol.sealed_kwarg({peer: _peer_pub(peer) for peer in self.peers}, fun, kwarg)
         self.client = _client()
         self.was_listening = self.client.event.cpub
         try:
-            self.pub = self.client.run_job(self.peers, fun, kwarg=kwarg, tgt_type="list",
+            self.pub = self.client.run_job(self.peers, fun, kwarg=sealed, tgt_type="list",
                                            timeout=timeout, listen=True)
         except BaseException:
             self.close()
@@ -466,17 +473,21 @@ INLINE_LIMIT = 64 * 1024
 PULL_MIN_FILES = 100
 PULL_MIN_BYTES = 4 * 1024 * 1024
 PULL_TTL = 600
+# A sealed master key pair in an apply request (a 4096-bit PEM, base64).
+MASTER_KEY_WEIGHT = 4096
 
 
 def _pull_allowed(peer):
     """True when this master's peer_run lets ``peer`` call multimaster.pull."""
-    import re  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
 
-    for match, funs in (__opts__.get("peer_run") or {}).items():
-        if re.match(match, peer) and isinstance(funs, list):
-            if any(re.match(fun, "multimaster.pull") for fun in funs):
-                return True
-    return False
+    return protocol.pull_allowed(__opts__.get("peer_run"), peer)
+
+
+def _peer_pub(peer):
+    """The peer minion's public key, as accepted on this master."""
+    with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
+        return fh.read()
 
 
 def _content_path(cat, op):
@@ -487,50 +498,67 @@ def _content_path(cat, op):
     return manifest.locate(__opts__[cat][op["env"]], op["rel"])
 
 
-def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
+def _transport(peer, ops, inline_limit, pull_min_files=None):
     """
-    Fill write operations with their contents.
+    How the apply of ``ops`` reaches ``peer``, decided the same way in test
+    mode: ``{"mode": "inline"|"pull"|None, "pull_files": bool, "size": bytes,
+    "error": message or None}``.
 
-    Private keys are sealed to the peer's minion key.  When ``peer_run``
-    lets the peer call ``multimaster.pull``, the peer pulls file_roots files
-    (past ``pull_min_files``, default 100, or 4 MiB), and minion keys and pillar files past ``inline_limit`` (default 64 KiB),
-    point-to-point in a few large sealed replies.  Otherwise file_roots files
-    are fetched by the peer from this master's fileserver (a request per
-    file) and keys and pillar files ride in the publish (pillar sealed), with
-    a warning past ``inline_limit``.  Return the chunks the peer pulls (or
-    None) and warnings.
+    The operations and the contents of minion keys, pillar files and master
+    keys ride the apply publish, sealed to the peer, only up to
+    ``inline_limit`` bytes.  Past it, or past ``pull_min_files`` file_roots
+    files (or 4 MiB of them), the peer pulls them point-to-point through
+    ``peer_run`` (``multimaster.pull``).  A peer that may not pull is refused
+    (``error``, with the ``peer_run`` snippet to add): bulk never rides the
+    publish, which every minion receives.  Otherwise file_roots files come
+    from this master's fileserver, point-to-point too.
+    """
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
+    pullable = _pull_allowed(peer)
+    files = [op for op in ops.get("file_roots", []) if op["op"] == "write"]
+    pull_files = pullable and (
+        len(files) > (PULL_MIN_FILES if pull_min_files is None else pull_min_files)
+        or sum(op.get("size", 0) for op in files) > PULL_MIN_BYTES)
+    size = protocol.payload_size(ops)
+    for cat in ("master_keys", "minion_keys", "pillar_roots"):
+        for op in ops.get(cat, []):
+            if size > inline_limit and pullable:
+                break  # enough to decide (a stat per key of an initial sync: 0.16 s)
+            if op["op"] != "write":
+                continue
+            if cat == "master_keys":
+                size += MASTER_KEY_WEIGHT
+                continue
+            try:
+                # sealed contents travel base64-encoded
+                size += 4 * (op["size"] if "size" in op
+                             else os.path.getsize(_content_path(cat, op))) // 3
+            except (OSError, TypeError, KeyError):
+                pass
+    if size <= inline_limit and not pull_files:
+        return {"mode": "inline", "pull_files": False, "size": size, "error": None}
+    if pullable:
+        return {"mode": "pull", "pull_files": pull_files, "size": size, "error": None}
+    return {"mode": None, "pull_files": False, "size": size,
+            "error": protocol.refusal(peer, size, inline_limit)}
+
+
+def _attach_contents(peer, ops, primary, how):
+    """
+    Fill write operations with their contents, as :func:`_transport`
+    decided (``how``).  Private keys and pillar files are sealed to the
+    peer's minion key (inside the sealed request as well); pulled contents
+    are cut in chunks.  Return the chunks the peer pulls, or None.
     """
     from salt_multimaster import replicate, seal  # pylint: disable=import-outside-toplevel
 
-    with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
-        peer_pub = fh.read()
-    pullable = _pull_allowed(peer)
-    # Many file_roots files travel through the pull when peer_run allows it
-    # (a few large replies; each peer_run call costs Salt a few tenths of a second),
-    # a few through the fileserver (a request or two per file).
-    files = [op for op in ops.get("file_roots", []) if op["op"] == "write"]
-    pull_files = pullable and (
-        len(files) > (PULL_MIN_FILES if pull_min_files is None else pull_min_files) or sum(op.get("size", 0) for op in files) > PULL_MIN_BYTES)
-    bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if pull_files else ())
-    bulk = [(cat, op) for cat in bulk_cats for op in ops.get(cat, []) if op["op"] == "write"]
-    size = 0
-    for cat, op in bulk:
-        if size > inline_limit and pullable:
-            break  # enough to decide (a stat per key of an initial sync: 0.16 s)
-        try:
-            size += op["size"] if "size" in op else os.path.getsize(_content_path(cat, op))
-        except (OSError, TypeError):
-            pass
-    chunks, warnings = None, []
-    if size > inline_limit or pull_files:
-        if pullable:
-            chunks = replicate.assign_chunks(bulk)
-        else:
-            warnings.append(
-                f"{size // 1024} KiB of minion keys / pillar files went sealed over the "
-                f"publish channel; let the peer pull them point-to-point with "
-                f"peer_run: {{'{peer}': ['multimaster.pull']}} in this master's config"
-            )
+    peer_pub = _peer_pub(peer)
+    chunks = None
+    if how["mode"] == "pull":
+        bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if how["pull_files"] else ())
+        chunks = replicate.assign_chunks(
+            [(cat, op) for cat in bulk_cats for op in ops.get(cat, []) if op["op"] == "write"])
     for cat, cat_ops in ops.items():
         for op in cat_ops:
             if op["op"] != "write" or "pull" in op or cat == "file_roots":
@@ -549,7 +577,7 @@ def _attach_contents(peer, ops, primary, inline_limit, pull_min_files=None):
                     op["sealed"] = seal.seal(peer_pub, data, peer, f"master_keys/{op['name']}")
                 else:
                     op["data"] = data.decode()
-    return chunks, warnings
+    return chunks
 
 
 def _grant(peer, ops, chunks):
@@ -720,21 +748,42 @@ def _applied_name(cat, item):
     return item if cat != "master_config" else "multimaster-sync.conf"
 
 
+def _unconfirmed(ret, categories):
+    """
+    A peer that did not apply: move what was planned out of the lists of
+    changes (which name only what the peer confirmed) into ``unconfirmed``.
+    """
+    for cat in categories:
+        rep = ret.get(cat)
+        if not isinstance(rep, dict):
+            continue
+        items = [item for kind in ("added", "updated", "removed") for item in rep[kind]]
+        for kind in ("added", "updated", "removed"):
+            rep[kind] = []
+        if items:
+            rep["unconfirmed"] = items
+
+
 def _sync_one(peer, conf, categories, primary, inv, test, force):
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
     ops, report = _plan(conf, categories, primary, inv, force)
+    ops = {c: o for c, o in ops.items() if o}
     ret = {"result": True}
     ret.update(report)
-    if any(ops.values()) and not test:
-        ops = {c: o for c, o in ops.items() if o}
-        chunks, warnings = _attach_contents(peer, ops, primary, conf["inline_limit"],
-                                            conf["pull_min_files"])
-        if warnings:
-            ret["warnings"] = warnings
+    how = _transport(peer, ops, conf["inline_limit"], conf["pull_min_files"]) if ops else None
+    if how and how["error"]:
+        ret["result"] = False
+        ret["error"] = how["error"]
+        if not test:
+            _unconfirmed(ret, categories)
+        return ret
+    if ops and not test:
+        chunks = _attach_contents(peer, ops, primary, how)
         kwarg = {"ops": ops, "topology": conf["topology"]}
         token = None
         if chunks is not None:
-            # the operations travel with the first chunk: a publish reaches
-            # every minion, and Salt echoes its arguments in every event
+            # the operations travel with the first chunk, pulled point-to-point
             token = _grant(peer, ops, chunks)
             kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
         # a large apply (an initial sync) takes longer than an inventory:
@@ -746,11 +795,14 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
             if token:
                 _revoke(token)
         applied = rets.get(peer)
-        if not applied or not isinstance(applied.get("ret"), dict) or "backup" not in applied["ret"]:
+        applied = applied.get("ret") if isinstance(applied, dict) else None
+        mismatch = protocol.reply_error(applied)
+        if mismatch or not isinstance(applied, dict) or "backup" not in applied:
             ret["result"] = False
-            ret["error"] = f"apply failed or did not return: {applied.get('ret') if applied else 'no return'}"
+            ret["error"] = mismatch or (
+                f"apply failed or did not return: {applied if applied is not None else 'no return'}")
+            _unconfirmed(ret, categories)
             return ret
-        applied = applied["ret"]
         _merge(report, applied)
         for key in ("restart", "backup"):
             if applied.get(key):
@@ -771,7 +823,7 @@ def _sync_ids(conf, peers, ids, test, force):
     Mirror the keys of ``ids`` only: one publish to every peer carrying the
     primary's keys of these ids; each peer plans and applies them itself.
     """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import manifest, protocol  # pylint: disable=import-outside-toplevel
 
     errors = []
     state = manifest.keys_state(__opts__["pki_dir"], ids, errors=errors)
@@ -786,17 +838,24 @@ def _sync_ids(conf, peers, ids, test, force):
                 errors.append(f"{key_state}/{mid}: unreadable: {exc}")
                 continue
             keys[mid][key_state] = {"sha256": manifest.key_sha(data.encode()), "data": data}
+    if protocol.payload_size(keys) > conf["inline_limit"]:
+        return None  # too large to publish, even sealed: a full minion_keys sync
     rets = _publish(peers, "multimaster_peer.mirror_keys",
                     {"keys": keys, "force": force, "test": test}, conf["timeout"])
     ret = {}
     for peer in peers:
         got = rets.get(peer)
         rep = got.get("ret") if isinstance(got, dict) else None
+        mismatch = protocol.reply_error(rep)
+        if mismatch:
+            ret[peer] = {"result": False, "error": mismatch}
+            continue
         if not isinstance(rep, dict) or "conflicts" not in rep:
             ret[peer] = {"result": False, "error": "peer did not apply the keys (unreachable, "
                          f"or multimaster_peer not loaded): {rep if got else 'no return'}"}
             continue
         backup = rep.pop("backup", None)
+        rep.pop("protocol", None)
         ret[peer] = {"result": not rep["errors"], "minion_keys": rep}
         if backup:
             ret[peer]["backup"] = backup
@@ -851,7 +910,7 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import manifest, protocol  # pylint: disable=import-outside-toplevel
 
     try:
         conf = _conf(dict(kwargs, peers=peers))
@@ -881,8 +940,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     for peer, message in bad.items():
         ret[peer] = {"result": False, "error": message}
     peers = [p for p in conf["peers"] if p not in bad]
-    if peers and ids:
-        ret.update(_sync_ids(conf, peers, ids, test, force))
+    targeted = _sync_ids(conf, peers, ids, test, force) if peers and ids else None
+    if targeted is not None:
+        ret.update(targeted)
     elif peers:
         _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
         primary, invs = _inventories(conf, categories, peers, test)
@@ -890,6 +950,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
 
         def one(peer):
             inv = invs.get(peer)
+            mismatch = protocol.reply_error(inv.get("ret") if isinstance(inv, dict) else None)
+            if mismatch:
+                return {"result": False, "error": mismatch}
             if not inv or not isinstance(inv.get("ret"), dict) or "master_id" not in inv["ret"]:
                 return {"result": False, "error": "peer did not return its inventory "
                         f"(unreachable, or multimaster_peer not loaded): {inv.get('ret') if inv else 'no return'}"}
@@ -935,6 +998,8 @@ def status(peers=None, **kwargs):
 def _status(peers, **kwargs):
     import salt.utils.crypt  # pylint: disable=import-outside-toplevel
 
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
     try:
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
@@ -961,9 +1026,11 @@ def _status(peers, **kwargs):
     primary_counts = primary["minion_keys"]["counts"]
     for peer in peers:
         inv = (invs.get(peer) or {}).get("ret")
-        if not isinstance(inv, dict) or "master_id" not in inv:
+        mismatch = protocol.reply_error(inv)
+        if mismatch or not isinstance(inv, dict) or "master_id" not in inv:
             ret[peer] = {"reachable": False, "in_sync": False,
-                         "error": f"peer did not return: {inv!r}"}
+                         "pull_allowed": _pull_allowed(peer),
+                         "error": mismatch or f"peer did not return: {inv!r}"}
             continue
         _, report = _plan(conf, all_cats, primary, inv, False)
         drift = {
@@ -978,7 +1045,11 @@ def _status(peers, **kwargs):
                             "peer": inv["minion_keys"].get("counts", {})},
             "drift": drift,
             "in_sync": not any(sum(d.values()) for d in drift.values()),
+            # whether bulk (an initial sync) can reach this peer at all
+            "pull_allowed": _pull_allowed(peer),
         }
+        if not ret[peer]["pull_allowed"]:
+            ret[peer]["pull_config"] = protocol.peer_run_snippet([peer])
         errors = [e for cat in categories for e in report[cat]["errors"]]
         if errors:
             ret[peer]["errors"] = errors

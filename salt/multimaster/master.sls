@@ -1,7 +1,8 @@
 # -*- coding: utf-8 -*-
 # vim: ft=sls
 # On the primary master's host (apply to its own minion): a master.d drop-in
-# with a reactor on salt/key that replicates minion keys to the peers, and an
+# with a reactor on salt/key that replicates minion keys to the peers, the
+# peer_run grant that lets each configured peer pull a sync's bulk, and an
 # optional schedule for a periodic full `multimaster.sync`.  The master
 # restarts in the background (after the state run returned) when it changed.
 {%- from tpldir ~ "/map.jinja" import multimaster with context %}
@@ -11,6 +12,13 @@
 {%- set dataset = {} %}
 {%- if master.reactor %}
 {%-   do dataset.update({"reactor": [{"salt/key": ["salt://" ~ tpldir ~ "/reactor/key.sls"]}]}) %}
+{%- endif %}
+{%- if master.pull %}
+{#-   let each peer pull the bulk of a sync point-to-point (peer_run) #}
+{%-   set peer_run = salt["multimaster.pull_config"](master_conf) %}
+{%-   if peer_run %}
+{%-     do dataset.update({"peer_run": peer_run}) %}
+{%-   endif %}
 {%- endif %}
 {%- if master.sync_interval | int > 0 %}
 {%-   do dataset.update({"schedule": {"multimaster-sync": {

@@ -371,8 +371,10 @@ def test_master_sls_installs_reactor(frr):
         "file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin),
         "cmd_|-multimaster-master-cmd-run_|-sleep 0; true_|-run",
     }, data
+    # the reactor, and the pull channel for the configured peers (that id only)
     assert salt.utils.yaml.safe_load(dropin.read_text()) == {
-        "reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}]
+        "reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}],
+        "peer_run": {r"frr\-peer1$": ["multimaster.pull"]},
     }
     ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
                    f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
@@ -390,6 +392,8 @@ def test_master_sls_installs_reactor(frr):
     frr.restart(frr.primary)
     for m in frr.all_minions:
         assert frr.wait_ping(frr.primary, m.id)
+    ret = frr.salt_run(frr.primary, "multimaster.status")
+    assert ret.data[frr.peer_minions[0].id]["pull_allowed"] is True, ret.data
 
 
 def _accepted_only(keys, minion_id):

@@ -180,13 +180,15 @@ def test_sync_replicates_everything(cluster):
         st = init.stat()
         assert cache[str(init)] == [st.st_ino, st.st_size, st.st_mtime_ns,
                                     hashlib.sha256(init.read_bytes()).hexdigest()]
-    # the operations came with the first pulled chunk: the apply publish,
-    # which every minion receives, carries a grant token and no operation
+    # the publishes, which every minion receives, carry nothing but routing:
+    # the arguments are sealed to each peer (the operations themselves came
+    # with the first pulled chunk)
     applies = _published(cluster, cluster.primary, "multimaster_peer.apply")
     assert len(applies) == len(cluster.peers)
-    for kwarg in applies:
-        assert kwarg["ops"] is None and kwarg["pull_chunks"] >= 1, kwarg
-        assert kwarg["pull_token"].isalnum(), kwarg
+    for fun in ("multimaster_peer.apply", "multimaster_peer.inventory"):
+        for kwarg in _published(cluster, cluster.primary, fun):
+            assert set(kwarg) == {"sealed", "__kwarg__"}, kwarg
+            assert all(blob.startswith("mmseal1:") for blob in kwarg["sealed"].values())
     # and the sealed chunks the peers pulled left the job cache with the grant
     stored = [p for p in cluster.job_cache(cluster.primary).rglob("*")
               if p.is_file() and b"mmseal1b" in p.read_bytes()]
