@@ -25,7 +25,7 @@ import salt.utils.yaml
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import fsutil, manifest, protocol, replicate, seal
+    from salt_multimaster import daemon, fsutil, manifest, protocol, replicate, seal
 
     HAS_CORE = True
 except ImportError:
@@ -175,7 +175,11 @@ def _inventory(categories, digests, topology, config_keys, test, rescan):
     digests = digests or {}
     mopts = _master_opts()
     state_dir = _state_dir()
-    ret = {"master_id": mopts["id"], "errors": []}
+    running, where = daemon.master_running(mopts)
+    ret = {"master_id": mopts["id"], "errors": [],
+           "master_running": running, "master_address": where,
+           "restart_pending": daemon.restart_pending(
+               mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
     roots, roots_errors = manifest.read_roots(mopts, categories, state_dir)
     for cat in categories:
         if cat == "master_keys":
@@ -730,6 +734,11 @@ def _apply(ops, topology, pull_token, pull_chunks):
     )
     for cat in ops:
         ret[cat] = _outcome(ret[cat])
+    if changed_daemon_config:
+        # the running master keeps the old keys/config until it restarts:
+        # the next inventory says so until then
+        fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
+                            f"{time.time()}\n", mode=0o600)
     ret["restart"] = _restart_master() if changed_daemon_config else None
     ret["backup"] = app.backup_root if app.backed_up else None
     return ret

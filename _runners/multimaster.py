@@ -365,6 +365,12 @@ def _unplannable(categories, primary, inv, sent):
     return False
 
 
+# How a peer's job is tracked: after JOB_POLL seconds without a return, Salt's
+# find_job asks the peer every GATHER_TIMEOUT seconds whether it still runs it.
+JOB_POLL = 2
+GATHER_TIMEOUT = 3
+
+
 class _Job:
     """
     A publish to the peers whose returns are read later: the caller works
@@ -388,18 +394,31 @@ class _Job:
             raise
 
     def wait(self):
-        """``{peer: full return}`` of the peers that returned."""
+        """
+        ``{peer: full return}`` of the peers that returned.  The peers' job is
+        tracked with ``saltutil.find_job`` as Salt's own CLI does, every
+        :data:`GATHER_TIMEOUT` seconds: a peer that is not connected, or whose
+        minion dies while it works, is given up within seconds, whatever the
+        size of the sync; one still running is waited for up to the timeout.
+        """
         try:
             ret = {}
             if self.pub:
+                deadline = time.monotonic() + self.timeout
                 # expect_minions=False: the caller reports missing peers
                 # itself; Salt would otherwise list every accepted key after
                 # the returns (~2 s at 20,000 keys, bench/bench_sync.py)
-                for fn_ret in self.client.get_cli_event_returns(
-                        self.pub["jid"], self.pub["minions"], self.timeout, self.peers, "list",
-                        expect_minions=False):
-                    for mid, data in (fn_ret or {}).items():
-                        ret[mid] = data
+                for fn_ret in self.client.get_iter_returns(
+                        self.pub["jid"], set(self.pub["minions"]), timeout=JOB_POLL,
+                        tgt=self.peers, tgt_type="list", expect_minions=False, block=False,
+                        gather_job_timeout=GATHER_TIMEOUT):
+                    if fn_ret:
+                        for mid, data in fn_ret.items():
+                            ret[mid] = data
+                    elif time.monotonic() > deadline:
+                        break
+                    else:
+                        time.sleep(0.02)
             return ret
         finally:
             self.close()
@@ -748,6 +767,16 @@ def _applied_name(cat, item):
     return item if cat != "master_config" else "multimaster-sync.conf"
 
 
+def _no_reply(peer, what, got):
+    """Why ``peer`` gave no usable reply to ``what``, and what to do."""
+    if got is None:
+        return (f"{peer}'s salt-minion did not answer {what} (it is not connected to this "
+                f"master, or it stopped while working): start it, or check `salt-run "
+                f"manage.status`")
+    return (f"{peer} returned no {what}: {str(got)[:300]} (is salt-multimaster installed "
+            f"there, and multimaster.master_config set on its minion?)")
+
+
 def _unconfirmed(ret, categories):
     """
     A peer that did not apply: move what was planned out of the lists of
@@ -799,18 +828,44 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
         mismatch = protocol.reply_error(applied)
         if mismatch or not isinstance(applied, dict) or "backup" not in applied:
             ret["result"] = False
-            ret["error"] = mismatch or (
-                f"apply failed or did not return: {applied if applied is not None else 'no return'}")
+            ret["error"] = mismatch or _no_reply(peer, "the apply", applied)
             _unconfirmed(ret, categories)
             return ret
         _merge(report, applied)
         for key in ("restart", "backup"):
             if applied.get(key):
                 ret[key] = applied[key]
-        if applied.get("restart") == "restart_required":
-            ret["restart_required"] = True
-    if any(report[cat]["errors"] for cat in categories):
+    if inv.get("restart_pending") and not ret.get("restart"):
+        # keys or config written by an earlier sync, and the master not restarted since
+        ret["restart"] = "restart_required"
+    if inv.get("master_running") is False:
+        # synced, yet no replica in service: say so, and fail the run
+        from salt_multimaster import daemon  # pylint: disable=import-outside-toplevel
+
+        ret["error"] = daemon.not_running_error(peer, inv.get("master_address"))
+    return _verdict(peer, ret, categories)
+
+
+def _verdict(peer, ret, categories):
+    """
+    ``result`` False, and one ``error`` line saying why, whenever the peer is
+    not a replica in service after the run: errors, conflicts left, a
+    restart still required, its master down.
+    """
+    reasons = [ret["error"]] if ret.get("error") else []
+    errors = sum(len(ret[c]["errors"]) for c in categories if isinstance(ret.get(c), dict))
+    conflicts = sum(len(ret[c]["conflicts"]) for c in categories if isinstance(ret.get(c), dict))
+    if errors and not reasons:
+        reasons.append(f"{errors} item(s) failed (see errors)")
+    if conflicts:
+        reasons.append(f"{conflicts} conflict(s) left on {peer} (see conflicts; force=True "
+                       "replaces or removes them)")
+    if ret.get("restart") == "restart_required":
+        reasons.append(f"{peer}'s salt-master must restart to load the new master keys or "
+                       "config (no service manager restarted it): restart it")
+    if reasons:
         ret["result"] = False
+        ret["error"] = "; ".join(reasons)
     return ret
 
 
@@ -851,16 +906,16 @@ def _sync_ids(conf, peers, ids, test, force):
             ret[peer] = {"result": False, "error": mismatch}
             continue
         if not isinstance(rep, dict) or "conflicts" not in rep:
-            ret[peer] = {"result": False, "error": "peer did not apply the keys (unreachable, "
-                         f"or multimaster_peer not loaded): {rep if got else 'no return'}"}
+            ret[peer] = {"result": False, "error": _no_reply(peer, "the key sync", rep)}
             continue
         backup = rep.pop("backup", None)
         rep.pop("protocol", None)
-        ret[peer] = {"result": not rep["errors"], "minion_keys": rep}
+        ret[peer] = {"result": True, "minion_keys": rep}
         if backup:
             ret[peer]["backup"] = backup
         if errors:
             ret[peer]["primary_errors"] = errors
+        _verdict(peer, ret[peer], ["minion_keys"])
     return ret
 
 
@@ -954,8 +1009,8 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
             if mismatch:
                 return {"result": False, "error": mismatch}
             if not inv or not isinstance(inv.get("ret"), dict) or "master_id" not in inv["ret"]:
-                return {"result": False, "error": "peer did not return its inventory "
-                        f"(unreachable, or multimaster_peer not loaded): {inv.get('ret') if inv else 'no return'}"}
+                return {"result": False, "error": _no_reply(
+                    peer, "the inventory", inv.get("ret") if isinstance(inv, dict) else None)}
             try:
                 return _sync_one(peer, conf, categories, primary, inv["ret"], test, force)
             except Exception as exc:  # pylint: disable=broad-except
@@ -1030,7 +1085,7 @@ def _status(peers, **kwargs):
         if mismatch or not isinstance(inv, dict) or "master_id" not in inv:
             ret[peer] = {"reachable": False, "in_sync": False,
                          "pull_allowed": _pull_allowed(peer),
-                         "error": mismatch or f"peer did not return: {inv!r}"}
+                         "error": mismatch or _no_reply(peer, "the inventory", inv)}
             continue
         _, report = _plan(conf, all_cats, primary, inv, False)
         drift = {
@@ -1047,13 +1102,23 @@ def _status(peers, **kwargs):
             "in_sync": not any(sum(d.values()) for d in drift.values()),
             # whether bulk (an initial sync) can reach this peer at all
             "pull_allowed": _pull_allowed(peer),
+            "master_running": inv.get("master_running"),
+            "restart_pending": inv.get("restart_pending"),
         }
+        if inv.get("restart_pending"):
+            ret[peer]["in_sync"] = False
+        if inv.get("master_running") is False:
+            from salt_multimaster import daemon  # pylint: disable=import-outside-toplevel
+
+            ret[peer]["in_sync"] = False
+            ret[peer]["error"] = daemon.not_running_error(peer, inv.get("master_address"))
         if not ret[peer]["pull_allowed"]:
             ret[peer]["pull_config"] = protocol.peer_run_snippet([peer])
         errors = [e for cat in categories for e in report[cat]["errors"]]
         if errors:
             ret[peer]["errors"] = errors
-    if not all(r.get("reachable") for r in ret.values()):
+    if not all(r.get("reachable") and r.get("master_running") is not False
+               for r in ret.values()):
         __context__["retcode"] = 1
         ret["retcode"] = 1
     return ret

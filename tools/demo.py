@@ -22,6 +22,7 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "_utils"))
 
 STEP = [0]
 
@@ -167,7 +168,11 @@ def main():
             peer_minion = cluster.peer_minions[0]
             dropin = pathlib.Path(primary.config_file).parent / "master.d" / "multimaster.conf"
             dropin.parent.mkdir(exist_ok=True)
-            dropin.write_text(f"multimaster:\n  peers: [{peer_minion.id}]\n")
+            # the contract's configuration: who the peers are, and the pull
+            # channel that carries a sync's bulk point-to-point
+            from salt_multimaster import protocol
+            dropin.write_text(f"multimaster:\n  peers: [{peer_minion.id}]\n"
+                              + protocol.peer_run_snippet([peer_minion.id]) + "\n")
             (cluster.file_root(primary) / "motd.sls").write_text(
                 "motd:\n  test.succeed_without_changes\n")
             (cluster.file_root(primary, kind="pillar_roots") / "top.sls").write_text(
@@ -198,7 +203,8 @@ def main():
             print(f"    exit code {ret.returncode}")
 
             say("The peer needs a restart to load the master keys (no service manager "
-                "in this sandbox, so the sync said restart_required): restarting it.")
+                "in this sandbox, so the sync said restart_required and exited non-zero, "
+                "as a scheduled sync would alert): restarting it.")
             cluster.restart(peer)
             for minion in cluster.minions:
                 cluster.wait_ping(peer, minion.id, deadline=120)

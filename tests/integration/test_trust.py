@@ -101,9 +101,10 @@ def test_nothing_secret_rides_the_publish(cluster):
         rel, user, new = _secrets(cluster, n)
         needles += new
         ret = cluster.salt_run(cluster.primary, "multimaster.sync")
-        assert ret.returncode == 0, ret.stdout
         res = ret.data[pm.id]
-        assert res["result"] is True, res
+        # master_config changed: the peer's master must restart (no systemd here)
+        assert ret.returncode != 0 and res["result"] is False, res
+        assert res["restart"] == "restart_required" and "must restart" in res["error"], res
         assert f"base:{rel}" in res["pillar_roots"]["added"]
         # it did travel, sealed
         assert (cluster.file_root(peer, kind="pillar_roots") / rel).read_text().startswith(
@@ -114,6 +115,9 @@ def test_nothing_secret_rides_the_publish(cluster):
                if load.get("fun") == "multimaster_peer.apply"]
     assert len(applies) == 2
     assert _leaks(cluster, needles) == []
+    cluster.restart(peer)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret.stdout
 
 
 def test_bulk_is_refused_without_the_pull_channel(cluster):
