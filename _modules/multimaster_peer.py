@@ -463,7 +463,8 @@ def _apply_tree(app, cat, ops):
             if not env_roots:
                 raise CommandExecutionError(f"saltenv {op['env']!r} is not configured on the peer")
             fresh = app.safe_join(env_roots[0], op["rel"])  # validates rel
-            current = manifest.locate(env_roots, op["rel"])
+            # inside the root it is found under, or an error: nothing written
+            current = manifest.locate_confined(env_roots, op["rel"], realpath=app.realpath)
             if op["op"] == replicate.REMOVE:
                 if current:
                     app.remove(current, f"{cat}/{op['env']}/{op['rel']}")

@@ -23,23 +23,43 @@ class PathError(ValueError):
     """A relative path that would leave its root."""
 
 
+def confine(root, path, realpath=os.path.realpath):
+    """
+    ``path`` if its parent directory resolves (symlinks followed) inside
+    ``root``, else :class:`PathError`.  The file itself may be a symlink: a
+    write renames over it and a removal unlinks it, neither follows it.
+    """
+    real_root = realpath(root).rstrip(os.sep)
+    real_parent = realpath(os.path.dirname(path))
+    if real_parent.rstrip(os.sep) != real_root and not real_parent.startswith(real_root + os.sep):
+        raise PathError(f"{path}: its directory resolves to {real_parent}, outside {root}")
+    return path
+
+
+def rel_parts(rel):
+    """
+    The components of a relative path, or :class:`PathError` for an absolute
+    path, a ``..``, ``.`` or empty component, or a NUL.
+    """
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\x00" in rel:
+        raise PathError(f"invalid relative path: {rel!r}")
+    parts = rel.replace("\\", "/").split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PathError(f"invalid relative path: {rel!r}")
+    return parts
+
+
 def safe_join(root, rel, realpath=os.path.realpath):
     """
     Join ``rel`` under ``root``, refusing absolute paths, ``..`` components
     and symlinked parents that lead outside ``root``.  ``realpath``: a
     memoized ``os.path.realpath`` when joining many paths at once.
     """
-    if not rel or os.path.isabs(rel) or "\x00" in rel:
-        raise PathError(f"invalid relative path: {rel!r}")
-    parts = rel.replace("\\", "/").split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise PathError(f"invalid relative path: {rel!r}")
-    path = os.path.join(root, *parts)
-    parent = os.path.dirname(path)
-    real_root = realpath(root)
-    real_parent = realpath(parent)
-    if real_parent != real_root and not real_parent.startswith(real_root + os.sep):
-        raise PathError(f"path leaves its root through a symlink: {rel!r}")
+    path = os.path.join(root, *rel_parts(rel))
+    try:
+        confine(root, path, realpath=realpath)
+    except PathError:
+        raise PathError(f"path leaves its root through a symlink: {rel!r}") from None
     return path
 
 
@@ -188,12 +208,14 @@ def _fsync_dir(directory):
 def backup(path, backup_root, rel):
     """
     Copy ``path`` (if it exists) to ``backup_root/rel`` before it is replaced
-    or removed.  Return the backup path or None.
+    or removed.  Return the backup path or None.  ``rel`` must stay inside
+    ``backup_root`` (:class:`PathError` otherwise).
     """
     if not os.path.lexists(path):
         return None
-    dest = os.path.join(backup_root, rel)
+    dest = safe_join(backup_root, rel)
     makedirs(os.path.dirname(dest), mode=KEY_DIR_MODE)
+    confine(backup_root, dest)
     if os.path.islink(path):
         os.symlink(os.readlink(path), dest)
     else:
