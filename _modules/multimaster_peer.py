@@ -479,7 +479,8 @@ def _apply_tree(app, cat, ops):
                     raise cached
                 with open(cached, "rb") as fh:
                     data = fh.read()
-            app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"],
+            app.write(target, data, fsutil.safe_mode(op["mode"]), f"{cat}/{op['env']}/{op['rel']}",
+                      op["sha256"],
                       cache_path=os.path.join(app.realpath(os.path.dirname(target)),
                                               os.path.basename(target)))
             report["updated"].append(rel)

@@ -9,6 +9,7 @@ written file.
 import errno
 import os
 import shutil
+import stat
 import tempfile
 
 KEY_DIR_MODE = 0o700
@@ -21,6 +22,32 @@ PRIVATE_KEY_MODE = 0o400
 
 class PathError(ValueError):
     """A relative path that would leave its root."""
+
+
+# Never written on a peer: setuid, setgid, sticky, and write for others.
+DROPPED_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
+_BIT_NAMES = ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid"), (stat.S_ISVTX, "sticky"),
+              (stat.S_IWOTH, "world-writable"))
+
+
+def check_mode(mode):
+    """``mode`` if it is a file mode (an int in 0..0o7777), else ``ValueError`` naming it."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise ValueError(f"invalid file mode: {mode!r}")
+    return mode
+
+
+def safe_mode(mode):
+    """
+    ``mode`` without the bits a sync never writes (:data:`DROPPED_BITS`):
+    no setuid, setgid or sticky bit, no write for others; the rest kept.
+    """
+    return check_mode(mode) & ~DROPPED_BITS
+
+
+def dropped_bits(mode):
+    """The names of the bits :func:`safe_mode` takes out of ``mode`` (``[]``: none)."""
+    return [name for bit, name in _BIT_NAMES if check_mode(mode) & bit]
 
 
 def confine(root, path, realpath=os.path.realpath):
@@ -133,8 +160,9 @@ class Batch:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             # plain os.write: no buffered file object per file (tens of
-            # thousands of small keys in a sync)
-            os.fchmod(fd, mode)
+            # thousands of small keys in a sync); never a setuid/setgid,
+            # sticky or world-writable file, whatever mode was asked
+            os.fchmod(fd, safe_mode(mode))
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -209,7 +237,9 @@ def backup(path, backup_root, rel):
     """
     Copy ``path`` (if it exists) to ``backup_root/rel`` before it is replaced
     or removed.  Return the backup path or None.  ``rel`` must stay inside
-    ``backup_root`` (:class:`PathError` otherwise).
+    ``backup_root`` (:class:`PathError` otherwise); the copy is owned by
+    whoever runs the sync, so it never keeps a setuid, setgid, sticky or
+    world-writable bit.
     """
     if not os.path.lexists(path):
         return None
@@ -220,6 +250,7 @@ def backup(path, backup_root, rel):
         os.symlink(os.readlink(path), dest)
     else:
         shutil.copy2(path, dest)
+        os.chmod(dest, safe_mode(stat.S_IMODE(os.stat(dest).st_mode)))
     return dest
 
 

@@ -1,12 +1,14 @@
 """
 What a sync may write on a peer, against real daemons: only inside the roots
-the peer is configured with.
+the peer is configured with, and never a setuid, setgid, sticky or
+world-writable file.
 
 The peer's ``file_roots:base`` has two roots; the tests run in order.
 """
 
 import os
 import pathlib
+import stat
 
 import pytest
 import salt.utils.yaml
@@ -35,6 +37,56 @@ def cluster(cluster_factory):
     cluster.roots = (root1, root2)
     yield cluster
     cluster.stop()
+
+
+def _mode(path):
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_dropped_mode_bits_are_never_written_and_are_reported(cluster):
+    base = cluster.file_root(cluster.primary)
+    (base / "suid.sh").write_text("#!/bin/sh\nid\n")
+    os.chown(base / "suid.sh", 65534, 65534)
+    os.chmod(base / "suid.sh", 0o4755)
+    (base / "shared.sls").write_text("shared: {}\n")
+    os.chmod(base / "shared.sls", 0o666)
+    (base / "plain.sls").write_text("plain: {}\n")
+    os.chmod(base / "plain.sls", 0o640)
+    peer_id = cluster.peer_minions[0].id
+    root1, _ = cluster.roots
+
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots", "test=True")
+    assert ret.returncode == 0, ret.stdout
+    planned = ret.data[peer_id]["file_roots"]
+    assert sorted(planned["added"]) == ["base:plain.sls", "base:shared.sls", "base:suid.sh"]
+    assert planned["warnings"] == [
+        "base:shared.sls: mode 0666 on the primary, written as 0664 "
+        "(a peer never gets a world-writable file)",
+        "base:suid.sh: mode 4755 on the primary, written as 0755 "
+        "(a peer never gets a setuid file)",
+    ]
+    assert not (root1 / "suid.sh").exists()
+
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret.stdout
+    res = ret.data[peer_id]
+    assert res["result"] is True, res
+    assert res["file_roots"]["warnings"] == planned["warnings"]
+    assert "mode 4755 on the primary, written as 0755" in ret.stdout
+    assert _mode(root1 / "suid.sh") == 0o755
+    assert (root1 / "suid.sh").read_text() == "#!/bin/sh\nid\n"
+    assert _mode(root1 / "shared.sls") == 0o664
+    assert _mode(root1 / "plain.sls") == 0o640
+
+    # the dropped bits are the only difference left: nothing to write again
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret.stdout
+    again = ret.data[peer_id]["file_roots"]
+    assert again["added"] == again["updated"] == again["removed"] == [], again
+    assert "warnings" not in again
+    ret = cluster.salt_run(cluster.primary, "multimaster.status")
+    assert ret.data[peer_id]["drift"]["file_roots"] == {
+        "added": 0, "updated": 0, "removed": 0, "conflicts": 0}
 
 
 def test_a_symlinked_dir_in_a_second_root_is_never_written_through(cluster):
