@@ -252,3 +252,16 @@ def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out
     assert report["failed"] == ["minions_pre/web1", "minions_pre/victim"]
     assert all("leaves its root through a symlink" in e for e in report["errors"])
     assert os.listdir(out) == ["victim"] and (pki / "minions" / "web1").read_text() == key
+
+
+def test_apply_tree_replaces_a_symlinked_file_never_its_target(tmp_path):
+    root1, root2, out = _two_roots(tmp_path)
+    os.symlink(str(out / "y.sls"), os.path.join(root1, "link.sls"))
+    report, app = _apply(tmp_path, [root1, root2],
+                         [_write("link.sls"), {"op": "remove", "env": "base", "rel": "alt2.sls"}])
+    assert report["updated"] == ["base:link.sls"] and report["errors"] == []
+    assert not os.path.islink(os.path.join(root1, "link.sls"))
+    assert open(os.path.join(root1, "link.sls")).read() == "new"
+    assert (out / "y.sls").read_text() == "outside"
+    # the backup is the link itself, not a copy of what it pointed to
+    assert os.readlink(os.path.join(app.backup_root, "file_roots", "base", "link.sls")) == str(out / "y.sls")
