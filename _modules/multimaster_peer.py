@@ -505,7 +505,8 @@ def _apply_tree(app, cat, ops):
             if not env_roots:
                 raise CommandExecutionError(f"saltenv {op['env']!r} is not configured on the peer")
             fresh = app.safe_join(env_roots[0], op["rel"])  # validates rel
-            current = manifest.locate(env_roots, op["rel"])
+            # inside the root it is found under, or an error: nothing written
+            current = manifest.locate_confined(env_roots, op["rel"], realpath=app.realpath)
             if op["op"] == replicate.REMOVE:
                 if current:
                     app.remove(current, f"{cat}/{op['env']}/{op['rel']}")
@@ -520,7 +521,8 @@ def _apply_tree(app, cat, ops):
                     raise cached
                 with open(cached, "rb") as fh:
                     data = fh.read()
-            app.write(target, data, op["mode"], f"{cat}/{op['env']}/{op['rel']}", op["sha256"],
+            app.write(target, data, fsutil.safe_mode(op["mode"]), f"{cat}/{op['env']}/{op['rel']}",
+                      op["sha256"],
                       cache_path=os.path.join(app.realpath(os.path.dirname(target)),
                                               os.path.basename(target)))
             report["updated"].append(rel)

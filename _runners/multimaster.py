@@ -203,7 +203,7 @@ def _primary_state(conf, categories, saved=None):
     ``saved``: the roots manifests of the last read (:func:`_saved_state`),
     kept as each category's ``previous`` and replaced by this read.
     """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import manifest, replicate  # pylint: disable=import-outside-toplevel
 
     cache_dir = _state_dir()
     saved = saved or {}
@@ -223,11 +223,13 @@ def _primary_state(conf, categories, saved=None):
             man = roots[cat]
             errors.extend(roots_errors[cat])
             parts = manifest.split(cat, man)
-            digest = manifest.bucket_digests(parts)
+            # digests and the saved manifest describe a peer in step: modes
+            # less the bits a sync never writes (the plan warns of those)
+            digest = manifest.bucket_digests(replicate.safe_parts(parts))
             last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
             state[cat] = {"manifest": man, "parts": parts, "digest": digest,
                           "previous": (last.digest, last.parts) if last.digest else None}
-            last.save(man, digest)
+            last.save(replicate.safe_tree(man), digest)
         elif cat == "master_keys":
             pem, pub = _primary_master_key_files(conf["topology"])
             state[cat] = {

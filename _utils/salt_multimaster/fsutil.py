@@ -9,6 +9,7 @@ written file.
 import errno
 import os
 import shutil
+import stat
 import tempfile
 
 KEY_DIR_MODE = 0o700
@@ -23,23 +24,69 @@ class PathError(ValueError):
     """A relative path that would leave its root."""
 
 
+# Never written on a peer: setuid, setgid, sticky, and write for others.
+DROPPED_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWOTH
+_BIT_NAMES = ((stat.S_ISUID, "setuid"), (stat.S_ISGID, "setgid"), (stat.S_ISVTX, "sticky"),
+              (stat.S_IWOTH, "world-writable"))
+
+
+def check_mode(mode):
+    """``mode`` if it is a file mode (an int in 0..0o7777), else ``ValueError`` naming it."""
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise ValueError(f"invalid file mode: {mode!r}")
+    return mode
+
+
+def safe_mode(mode):
+    """
+    ``mode`` without the bits a sync never writes (:data:`DROPPED_BITS`):
+    no setuid, setgid or sticky bit, no write for others; the rest kept.
+    """
+    return check_mode(mode) & ~DROPPED_BITS
+
+
+def dropped_bits(mode):
+    """The names of the bits :func:`safe_mode` takes out of ``mode`` (``[]``: none)."""
+    return [name for bit, name in _BIT_NAMES if check_mode(mode) & bit]
+
+
+def confine(root, path, realpath=os.path.realpath):
+    """
+    ``path`` if its parent directory resolves (symlinks followed) inside
+    ``root``, else :class:`PathError`.  The file itself may be a symlink: a
+    write renames over it and a removal unlinks it, neither follows it.
+    """
+    real_root = realpath(root).rstrip(os.sep)
+    real_parent = realpath(os.path.dirname(path))
+    if real_parent.rstrip(os.sep) != real_root and not real_parent.startswith(real_root + os.sep):
+        raise PathError(f"{path}: its directory resolves to {real_parent}, outside {root}")
+    return path
+
+
+def rel_parts(rel):
+    """
+    The components of a relative path, or :class:`PathError` for an absolute
+    path, a ``..``, ``.`` or empty component, or a NUL.
+    """
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel) or "\x00" in rel:
+        raise PathError(f"invalid relative path: {rel!r}")
+    parts = rel.replace("\\", "/").split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PathError(f"invalid relative path: {rel!r}")
+    return parts
+
+
 def safe_join(root, rel, realpath=os.path.realpath):
     """
     Join ``rel`` under ``root``, refusing absolute paths, ``..`` components
     and symlinked parents that lead outside ``root``.  ``realpath``: a
     memoized ``os.path.realpath`` when joining many paths at once.
     """
-    if not rel or os.path.isabs(rel) or "\x00" in rel:
-        raise PathError(f"invalid relative path: {rel!r}")
-    parts = rel.replace("\\", "/").split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise PathError(f"invalid relative path: {rel!r}")
-    path = os.path.join(root, *parts)
-    parent = os.path.dirname(path)
-    real_root = realpath(root)
-    real_parent = realpath(parent)
-    if real_parent != real_root and not real_parent.startswith(real_root + os.sep):
-        raise PathError(f"path leaves its root through a symlink: {rel!r}")
+    path = os.path.join(root, *rel_parts(rel))
+    try:
+        confine(root, path, realpath=realpath)
+    except PathError:
+        raise PathError(f"path leaves its root through a symlink: {rel!r}") from None
     return path
 
 
@@ -113,8 +160,9 @@ class Batch:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             # plain os.write: no buffered file object per file (tens of
-            # thousands of small keys in a sync)
-            os.fchmod(fd, mode)
+            # thousands of small keys in a sync); never a setuid/setgid,
+            # sticky or world-writable file, whatever mode was asked
+            os.fchmod(fd, safe_mode(mode))
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
@@ -188,16 +236,21 @@ def _fsync_dir(directory):
 def backup(path, backup_root, rel):
     """
     Copy ``path`` (if it exists) to ``backup_root/rel`` before it is replaced
-    or removed.  Return the backup path or None.
+    or removed.  Return the backup path or None.  ``rel`` must stay inside
+    ``backup_root`` (:class:`PathError` otherwise); the copy is owned by
+    whoever runs the sync, so it never keeps a setuid, setgid, sticky or
+    world-writable bit.
     """
     if not os.path.lexists(path):
         return None
-    dest = os.path.join(backup_root, rel)
+    dest = safe_join(backup_root, rel)
     makedirs(os.path.dirname(dest), mode=KEY_DIR_MODE)
+    confine(backup_root, dest)
     if os.path.islink(path):
         os.symlink(os.readlink(path), dest)
     else:
         shutil.copy2(path, dest)
+        os.chmod(dest, safe_mode(stat.S_IMODE(os.stat(dest).st_mode)))
     return dest
 
 

@@ -292,6 +292,26 @@ def locate(roots, rel):
     return None
 
 
+def locate_confined(roots, rel, realpath=os.path.realpath):
+    """
+    :func:`locate` for a write or a removal on a peer: the path serving
+    ``rel`` (validated as :func:`fsutil.safe_join` does), or None.  A path
+    found through a symlinked directory that leads outside the root it was
+    found under is :class:`fsutil.PathError`: never written, never removed.
+    """
+    for root in roots:
+        path = os.path.join(root, *fsutil.rel_parts(rel))
+        if os.path.isfile(path):
+            try:
+                return fsutil.confine(root, path, realpath=realpath)
+            except fsutil.PathError:
+                raise fsutil.PathError(
+                    f"{rel!r} is found in {root} through a symlinked directory that leads "
+                    f"outside it ({realpath(os.path.dirname(path))}): not written, not removed"
+                ) from None
+    return None
+
+
 def valid_minion_id(minion_id):
     """Minion ids as Salt accepts them for key files (salt.utils.verify.valid_id)."""
     return (

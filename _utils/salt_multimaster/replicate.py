@@ -5,6 +5,8 @@ operations that make the peer mirror the primary, with the report users see.
 Pure functions over manifests; nothing here touches disk or Salt.
 """
 
+from salt_multimaster import fsutil
+
 CATEGORIES = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
 DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "peer_run")
 TOPOLOGIES = ("shared", "signed")
@@ -133,9 +135,15 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
     saltenv.  Files are removed only from the saltenvs the primary serves
     (``primary_envs``, default: the saltenvs of ``primary``), so partial
     manifests (one bucket) can be planned.
+
+    A file is written with its mode less setuid, setgid, sticky and write
+    for others (:func:`fsutil.safe_mode`): the peer is compared with that
+    mode, so a file whose only difference is a dropped bit is not written
+    again, and each file written without a bit of its mode on the primary
+    is named in the report's ``warnings`` (present only when not empty).
     """
     report = empty_report()
-    ops = []
+    ops, warnings = [], []
     peer_envs = set(peer if peer_envs is None else peer_envs)
     primary_envs = set(primary if primary_envs is None else primary_envs)
     for env in sorted(primary):
@@ -146,17 +154,46 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
             continue
         mine, theirs = primary[env], peer.get(env, {})
         for rel in sorted(mine):
-            if theirs.get(rel) == mine[rel]:
-                continue
             size, mode, sha = mine[rel]
-            ops.append({"op": WRITE, "env": env, "rel": rel, "mode": mode, "sha256": sha, "size": size})
+            safe = fsutil.safe_mode(mode)
+            if theirs.get(rel) == [size, safe, sha]:
+                continue
+            ops.append({"op": WRITE, "env": env, "rel": rel, "mode": safe, "sha256": sha, "size": size})
             report["updated" if rel in theirs else "added"].append(f"{env}:{rel}")
+            if safe != mode:
+                warnings.append(mode_warning(f"{env}:{rel}", mode))
     for env in sorted(set(peer) & primary_envs):
         mine = primary.get(env, {})
         for rel in sorted(set(peer[env]) - set(mine)):
             ops.append({"op": REMOVE, "env": env, "rel": rel})
             report["removed"].append(f"{env}:{rel}")
+    if warnings:
+        report["warnings"] = warnings
     return ops, report
+
+
+def mode_warning(item, mode):
+    """The warning for ``item`` written without the dropped bits of ``mode``."""
+    return (f"{item}: mode {mode:04o} on the primary, written as {fsutil.safe_mode(mode):04o} "
+            f"(a peer never gets a {', '.join(fsutil.dropped_bits(mode))} file)")
+
+
+def safe_tree(man):
+    """
+    A roots manifest (``{saltenv: {rel: [size, mode, sha256]}}``, or one of
+    its bucket parts) as a peer in step holds it: modes through
+    :func:`fsutil.safe_mode`.  ``man`` itself when no mode changes.
+    """
+    if all(fsutil.safe_mode(entry[1]) == entry[1]
+           for files in man.values() for entry in files.values()):
+        return man
+    return {env: {rel: [size, fsutil.safe_mode(mode), sha] for rel, (size, mode, sha) in files.items()}
+            for env, files in man.items()}
+
+
+def safe_parts(parts):
+    """:func:`safe_tree` of each bucket part (``{bucket: part}``)."""
+    return {bucket: safe_tree(part) for bucket, part in parts.items()}
 
 
 def plan_master_keys(primary, peer, topology):
