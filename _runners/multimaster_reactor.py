@@ -9,8 +9,9 @@ denied.  Each event's minion id is queued; at most one sync runs at a time
 and it takes every id queued so far (``multimaster.sync minion_ids=...``: one
 publish, no listing of every key).  ``salt-key -A`` fires one event per key:
 the first event syncs its key at once, the ones arriving meanwhile are synced
-together by one more round, so the last change is never missed and a burst
-costs two syncs at most.
+together by one more round once the events have stopped for a second (at
+most a minute later), so the last change is never missed and a burst costs
+two syncs.
 """
 
 import fcntl
@@ -86,7 +87,35 @@ class _Queue:
         return os.path.exists(self.path)
 
 
-def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retry_delay=2):
+# A burst (salt-key -A: Salt's reactor starts about 8 key_event calls a
+# second) is covered by the first sync and one more, taken once the events
+# have stopped for QUIET seconds (at most MAX_WAIT after the first sync).
+QUIET = 1.0
+MAX_WAIT = 60.0
+
+
+def _settle(queue, quiet, max_wait):
+    """Wait until no event was queued for ``quiet`` seconds, at most ``max_wait``."""
+    end = time.time() + max_wait
+    while time.time() < end:
+        try:
+            idle = time.time() - os.stat(queue.path).st_mtime
+        except FileNotFoundError:
+            return
+        if idle >= quiet:
+            return
+        time.sleep(min(quiet - idle, end - time.time(), 0.2) + 0.01)
+
+
+def _conf_float(name, value, default):
+    if value is None:
+        value = (__opts__.get("multimaster") or {}).get(name, default) \
+            if isinstance(__opts__.get("multimaster"), dict) else default
+    return float(value)
+
+
+def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retry_delay=2,
+              quiet=None, max_wait=None):
     """
     Replicate a minion's keys to the peers after a ``salt/key`` event,
     coalescing bursts: at most one ``multimaster.sync minion_ids=...`` runs at
@@ -106,6 +135,14 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         Seconds to wait before each sync so that more of a burst is covered
         by one sync.  Default 0: the first event syncs at once; events that
         arrive meanwhile cause one more sync.
+
+    quiet, max_wait
+        After the first sync, the next one waits until no event arrived for
+        ``quiet`` seconds (default 1, or ``multimaster:key_event_quiet`` in
+        the master config), at most ``max_wait`` seconds (default 60,
+        ``multimaster:key_event_max_wait``): a ``salt-key -A`` of hundreds of
+        keys, whose events Salt's reactor delivers over tens of seconds,
+        costs two syncs.  A single accept is synced at once.
 
     max_rounds
         Upper bound of syncs one call runs while events keep arriving.
@@ -128,6 +165,8 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
     _record_job(act=act, minion_id=minion_id)
     if act is not None and act not in KEY_ACTS:
         return {"ignored": f"act {act!r}"}
+    quiet = _conf_float("key_event_quiet", quiet, QUIET)
+    max_wait = _conf_float("key_event_max_wait", max_wait, MAX_WAIT)
     state_dir = _state_dir()
     queue = _Queue(state_dir)
     lock_path = os.path.join(state_dir, "key-sync.lock")
@@ -147,6 +186,8 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                 while queue.pending() and syncs < max_rounds:
                     if window:
                         time.sleep(float(window))
+                    if syncs:
+                        _settle(queue, quiet, max_wait)
                     ids = queue.take()
                     if not ids:
                         break

@@ -452,3 +452,22 @@ def test_key_burst_is_coalesced(frr):
     finally:
         for m in minions:
             m.terminate()
+
+
+def test_large_key_burst_costs_two_syncs(frr):
+    """salt-key -A of many pending keys: the first event syncs, one more covers the rest."""
+    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
+
+    pre = frr.pki_dir(frr.primary) / "minions_pre"
+    ids = [f"frr-many{i:02d}" for i in range(60)]
+    for mid in ids:
+        (pre / mid).write_bytes(gen_keypair(1024)[1])
+    log = frr.log_files(frr.primary)[0]
+    before = log.read_text(errors="replace").count("syncing the keys of")
+    ret = frr.salt_key(frr.primary, "-A", "-y")
+    assert ret.returncode == 0, ret
+    assert wait_until(lambda: set(ids) <= set(frr.keys(frr.peers[0])["minions"]),
+                      deadline=180), _diag(frr)
+    time.sleep(5)  # any queued round finishes
+    syncs = log.read_text(errors="replace").count("syncing the keys of") - before
+    assert 1 <= syncs <= 2, syncs
