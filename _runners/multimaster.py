@@ -921,7 +921,21 @@ def _sync_ids(conf, peers, ids, test, force):
     return ret
 
 
-def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwargs):
+def _compact(fun):
+    """
+    True when salt-run itself runs ``fun`` and the user chose no outputter
+    (no ``--out``, no ``output`` in the config): print the compact report.
+    Calls from the reactor, the scheduler or the API get the data.
+    """
+    return not __opts__.get("output") and __opts__.get("fun") == fun
+
+
+def _truthy(value):
+    return bool(value) and str(value).lower() not in ("false", "0", "no")
+
+
+def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbose=False,
+         **kwargs):
     """
     Make each peer master mirror this (primary) master.
 
@@ -944,10 +958,18 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         unchanged since the last sync (which a sync otherwise takes from its
         saved snapshot): finds a key file rewritten in place.
 
+    verbose
+        In the compact report (``salt-run`` without ``--out``), list every
+        name instead of the first three.
+
     Returns, per peer, ``{"result": bool, "<category>": {"added": [...],
-    "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``.
-    A failed or unreachable peer makes ``salt-run`` exit non-zero; the other
-    peers are still synced.
+    "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``
+    (``unconfirmed``: planned, not confirmed by the peer).  Without ``--out``
+    salt-run prints a compact summary per peer; ``--out=json`` or ``yaml``
+    give this data.  A peer that is not a replica in service afterwards
+    (failed, unreachable, conflicts left, restart required, master down)
+    gets ``result: False`` and one ``error`` line, and ``salt-run`` exits
+    non-zero; the other peers are still synced.
 
     CLI Example:
 
@@ -957,13 +979,20 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         salt-run multimaster.sync peers=master02 only=minion_keys,file_roots test=True
         salt-run multimaster.sync minion_ids=web01,web02
         salt-run multimaster.sync rescan=True
+        salt-run multimaster.sync --out=json
     """
     from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
     with _job_record("multimaster.sync", __opts__.get("id"),
                      jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                                minion_ids=minion_ids, **kwargs)):
-        return _sync(peers, only, test, force, minion_ids, **kwargs)
+        ret = _sync(peers, only, test, force, minion_ids, **kwargs)
+    if _compact("multimaster.sync"):
+        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
+
+        return {"outputter": "txt",
+                "data": report.sync_rows(ret, _truthy(test), _truthy(verbose))}
+    return ret
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
@@ -1030,26 +1059,35 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
         ret["retcode"] = 1
     return ret
 
-def status(peers=None, **kwargs):
+def status(peers=None, verbose=False, **kwargs):
     """
     Report, per peer, how far it is from the primary; change nothing.
 
     Returns per peer: ``reachable``, the master key fingerprints of the
     primary and the peer (``master_finger``), minion key counts per state on
     both sides, and per category the drift a sync would repair
-    (``{"added": n, "updated": n, "removed": n, "conflicts": n}``).
+    (``{"added": n, "updated": n, "removed": n, "conflicts": n}``), whether
+    the peer may pull bulk (``pull_allowed``, with the ``peer_run`` snippet
+    when not), whether its salt-master runs (``master_running``) and whether
+    it runs older keys or config than a sync wrote (``restart_pending``).
+    Without ``--out`` salt-run prints a compact summary per peer.
 
     CLI Example:
 
     .. code-block:: bash
 
         salt-run multimaster.status
-        salt-run multimaster.status peers=master02
+        salt-run multimaster.status peers=master02 --out=json
     """
     from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
 
     with _job_record("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs)):
-        return _status(peers, **kwargs)
+        ret = _status(peers, **kwargs)
+    if _compact("multimaster.status"):
+        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
+
+        return {"outputter": "txt", "data": report.status_rows(ret, _truthy(verbose))}
+    return ret
 
 
 def _status(peers, **kwargs):

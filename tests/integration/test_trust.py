@@ -164,3 +164,35 @@ def test_bulk_is_refused_without_the_pull_channel(cluster):
     sizes = [size for path, load, size in _publish_loads(cluster.primary)
              if path not in before and str(load.get("fun")).startswith("multimaster_peer.")]
     assert sizes and max(sizes) < 16 * 1024, sizes
+
+
+def _salt_run_plain(cluster, *args):
+    """salt-run as an operator types it: no --out (salt-factories adds --out=json)."""
+    import os  # pylint: disable=import-outside-toplevel
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    cmd = [os.path.join(os.path.dirname(sys.executable), "salt-run"),
+           "-c", str(pathlib.Path(cluster.primary.config_file).parent), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_default_output_is_a_compact_summary(cluster):
+    pm = cluster.peer_minions[0]
+    ret = _salt_run_plain(cluster, "multimaster.status")
+    assert ret.returncode == 0, ret.stderr
+    lines = ret.stdout.splitlines()
+    assert lines[0] == f"{pm.id}: in sync", ret.stdout
+    assert f"{pm.id}:   master key     same as the primary" in ret.stdout
+    assert lines[-1] == "retcode: 0"
+    (cluster.file_root(cluster.primary) / "new.sls").write_text("new: {}\n")
+    ret = _salt_run_plain(cluster, "multimaster.sync", "test=True")
+    assert ret.returncode == 0, ret.stderr
+    assert f"{pm.id}:   file_roots    1 would add: base:new.sls" in ret.stdout.splitlines()
+    assert "summary: 1 peer(s): 0 in sync, 1 would change, 0 failed (test run, nothing " \
+           "changed)" in ret.stdout
+    assert len(ret.stdout.splitlines()) < 15, ret.stdout
+    # a bad input: one line, non-zero exit
+    ret = _salt_run_plain(cluster, "multimaster.sync", "only=bogus")
+    assert ret.returncode != 0
+    assert "bogus" in ret.stdout

@@ -1,0 +1,131 @@
+"""
+Compact, readable reports of ``multimaster.sync`` and ``multimaster.status``
+for ``salt-run`` without ``--out``, in the spirit of Salt's highstate
+summary: one block per peer, a line per category that changed, the first few
+names, then totals and the exit code.  ``--out=json``/``yaml`` keep the full
+data.
+
+Rows are ``{label: text}`` for Salt's ``txt`` outputter, which prints every
+line of a text as ``label: line``; the last row is ``retcode`` (salt-run's
+exit code).
+"""
+
+CATEGORIES = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
+SHOW = 3
+KINDS = ("added", "updated", "removed", "unconfirmed")
+WOULD = {"added": "would add", "updated": "would update", "removed": "would remove",
+         "unconfirmed": "not applied"}
+
+
+def names(items, verbose=False, show=SHOW):
+    """``a, b, c ... and N more`` (every name with ``verbose``)."""
+    items = [str(i) for i in items]
+    if verbose or len(items) <= show:
+        return ", ".join(items)
+    return f"{', '.join(items[:show])} ... and {len(items) - show} more"
+
+
+def _label(rows, label):
+    while label in rows:
+        label += " "
+    return label
+
+
+def _category_lines(res, test, verbose):
+    lines = []
+    for cat in CATEGORIES:
+        rep = res.get(cat)
+        if not isinstance(rep, dict):
+            continue
+        parts = []
+        for kind in KINDS:
+            items = rep.get(kind) or []
+            if items:
+                word = WOULD[kind] if test else kind
+                parts.append(f"{len(items)} {word}: {names(items, verbose)}")
+        lines.append(f"  {cat:<14}" + ("; ".join(parts) if parts else "in sync"))
+        for kind in ("conflicts", "errors", "warnings"):
+            items = rep.get(kind) or []
+            shown = items if verbose else items[:SHOW]
+            lines.extend(f"    {kind[:-1]}: {item}" for item in shown)
+            if len(items) > len(shown):
+                lines.append(f"    ... and {len(items) - len(shown)} more {kind}")
+    return lines
+
+
+def sync_rows(ret, test=False, verbose=False):
+    """The rows of a sync's return (``{peer: result, "retcode": n}``)."""
+    rows = {}
+    counts = {"peers": 0, "failed": 0, "changed": 0, "in_sync": 0}
+    for peer, res in ret.items():
+        if peer == "retcode" or not isinstance(res, dict):
+            continue
+        counts["peers"] += 1
+        changed = any(isinstance(res.get(c), dict) and any(res[c].get(k) for k in KINDS)
+                      for c in CATEGORIES)
+        if res.get("result") is False:
+            counts["failed"] += 1
+            head = "FAILED" + (f": {res['error']}" if res.get("error") else "")
+        elif changed:
+            counts["changed"] += 1
+            head = "would change" if test else "changed"
+        else:
+            counts["in_sync"] += 1
+            head = "in sync"
+        lines = [head] + _category_lines(res, test, verbose)
+        for key in ("warnings", "primary_errors"):
+            for item in res.get(key) or []:
+                lines.append(f"  {key[:-1].replace('_', ' ')}: {item}")
+        if res.get("restart"):
+            lines.append(f"  restart: {res['restart']}")
+        if res.get("backup"):
+            lines.append(f"  backup: {res['backup']}")
+        rows[_label(rows, peer)] = "\n".join(lines)
+    if "error" in ret and not counts["peers"]:
+        rows["error"] = ret["error"]
+    else:
+        rows["summary"] = (
+            f"{counts['peers']} peer(s): {counts['in_sync']} in sync, {counts['changed']} "
+            f"{'would change' if test else 'changed'}, {counts['failed']} failed"
+            + (" (test run, nothing changed)" if test else ""))
+    rows["retcode"] = ret.get("retcode", 0)
+    return rows
+
+
+def status_rows(ret, verbose=False):  # pylint: disable=unused-argument
+    """The rows of a status return (``{peer: status, "retcode": n}``)."""
+    rows = {}
+    for peer, res in ret.items():
+        if peer == "retcode" or not isinstance(res, dict):
+            continue
+        if not res.get("reachable"):
+            rows[_label(rows, peer)] = f"UNREACHABLE: {res.get('error', '')}".rstrip(": ")
+            continue
+        drift = res.get("drift") or {}
+        lines = ["in sync" if res.get("in_sync") else "DRIFT"]
+        for cat, counts in drift.items():
+            nonzero = {k: n for k, n in counts.items() if n}
+            lines.append(f"  {cat:<14}" + (", ".join(f"{n} {k}" for k, n in nonzero.items())
+                                           if nonzero else "in sync"))
+        finger = res.get("master_finger") or {}
+        same = finger.get("primary") == finger.get("peer")
+        lines.append(f"  master key     {'same as the primary' if same else 'DIFFERS'} "
+                     f"({finger.get('peer')})")
+        keys = res.get("minion_keys") or {}
+        if keys:
+            lines.append("  minion keys    primary "
+                         + ", ".join(f"{s} {n}" for s, n in sorted((keys.get('primary') or {}).items()))
+                         + "; peer "
+                         + ", ".join(f"{s} {n}" for s, n in sorted((keys.get('peer') or {}).items())))
+        if res.get("master_running") is False or res.get("error"):
+            lines.append(f"  error: {res.get('error')}")
+        if res.get("restart_pending"):
+            lines.append("  restart pending: the peer's salt-master runs older keys or config")
+        if not res.get("pull_allowed"):
+            lines.append("  pull channel NOT allowed (bulk syncs are refused); add:")
+            lines.extend(f"    {line}" for line in (res.get("pull_config") or "").splitlines())
+        rows[_label(rows, peer)] = "\n".join(lines)
+    if "error" in ret and not rows:
+        rows["error"] = ret["error"]
+    rows["retcode"] = ret.get("retcode", 0)
+    return rows
