@@ -25,7 +25,7 @@ import salt.utils.yaml
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import daemon, fsutil, manifest, protocol, replicate, seal
+    from salt_multimaster import backup, daemon, fsutil, manifest, protocol, replicate, seal
 
     HAS_CORE = True
 except ImportError:
@@ -688,7 +688,8 @@ def _apply_categories(app, ops, topology):
     return ret
 
 
-def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None):
+def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None,
+          backup_keep=10):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -706,13 +707,14 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
         salt-run multimaster.sync peers=master02
     """
     args = _request("apply", sealed, {"ops": ops, "topology": topology,
-                                      "pull_token": pull_token, "pull_chunks": pull_chunks})
+                                      "pull_token": pull_token, "pull_chunks": pull_chunks,
+                                      "backup_keep": backup_keep})
     ret = _apply(**args)
     ret["protocol"] = protocol.PROTOCOL
     return ret
 
 
-def _apply(ops, topology, pull_token, pull_chunks):
+def _apply(ops, topology, pull_token, pull_chunks, backup_keep):
     mopts = _master_opts()
     app = _Applier(mopts)
     if pull_token:
@@ -743,4 +745,92 @@ def _apply(ops, topology, pull_token, pull_chunks):
                             f"{time.time()}\n", mode=0o600)
     ret["restart"] = _restart_master() if changed_daemon_config else None
     ret["backup"] = app.backup_root if app.backed_up else None
+    try:
+        pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
+        if pruned:
+            log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned), backup_keep)
+    except (backup.BackupError, OSError, TypeError, ValueError) as exc:
+        log.warning("multimaster: old backups not pruned: %s", exc)
+    return ret
+
+
+def _restore_target(mopts, rel):
+    """Where the backed-up item ``rel`` (``category/...``) goes back, and its mode."""
+    cat, _, rest = rel.partition("/")
+    if cat == "minion_keys":
+        state, _, mid = rest.partition("/")
+        if state not in manifest.KEY_STATES or not manifest.valid_minion_id(mid):
+            raise backup.BackupError(f"{rel}: not a minion key")
+        return fsutil.safe_join(mopts["pki_dir"], f"{state}/{mid}"), 0o644
+    if cat in ("file_roots", "pillar_roots"):
+        env, _, path = rest.partition("/")
+        roots = (mopts.get(cat) or {}).get(env)
+        if not roots:
+            raise backup.BackupError(f"{rel}: saltenv {env!r} is not configured here")
+        return manifest.locate_confined(roots, path) or fsutil.safe_join(roots[0], path), None
+    if cat == "master_keys":
+        topology = "signed" if rest.startswith("master_sign.") else "shared"
+        pem, pub = _master_key_files(mopts, topology)
+        if rest.endswith(".pem"):
+            return pem, fsutil.PRIVATE_KEY_MODE
+        return pub, 0o644
+    if cat == "master_config":
+        return _dropin_path(mopts), 0o600
+    raise backup.BackupError(f"{rel}: unknown category")
+
+
+def restore(backup_name=None, test=False, sealed=None):
+    """
+    Put back on this peer what a sync replaced or removed: every file of the
+    backup ``backup_name`` (a timestamp under
+    ``<master cachedir>/multimaster/backup``; default: the newest).  What is
+    there now is itself backed up first, so a restore can be undone the same
+    way.  Files a sync added are left in place.  With ``test``, only list.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.restore peer=master02 test=True
+    """
+    args = _request("restore", sealed, {"backup_name": backup_name, "test": test})
+    ret = _restore(**args)
+    ret["protocol"] = protocol.PROTOCOL
+    return ret
+
+
+def _restore(backup_name, test):
+    mopts = _master_opts()
+    base = os.path.join(mopts["cachedir"], "multimaster", "backup")
+    try:
+        source = backup.choose(base, backup_name)
+    except backup.BackupError as exc:
+        return {"result": False, "error": str(exc), "restored": [], "errors": []}
+    ret = {"result": True, "backup_restored": os.path.basename(source), "restored": [],
+           "errors": []}
+    app = None if test else _Applier(mopts)
+    for rel in backup.items(source):
+        try:
+            target, mode = _restore_target(mopts, rel)
+            if app is not None:
+                with open(os.path.join(source, rel), "rb") as fh:
+                    data = fh.read()
+                if mode is None:
+                    mode = os.stat(os.path.join(source, rel)).st_mode & 0o7777
+                if rel.startswith("master_keys/"):
+                    fsutil.makedirs(os.path.dirname(target), mode=fsutil.KEY_DIR_MODE)
+                app.write(target, data, mode, rel, None)
+            ret["restored"].append(rel)
+        except (backup.BackupError, fsutil.PathError, CommandExecutionError, OSError) as exc:
+            ret["errors"].append(f"{rel}: {exc}")
+    if app is not None:
+        app.commit()
+        ret["backup"] = app.backup_root if app.backed_up else None
+        daemon_files = any(r.split("/", 1)[0] in ("master_keys", "master_config")
+                           for r in ret["restored"])
+        ret["restart"] = _restart_master() if daemon_files else None
+        if daemon_files:
+            fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
+                                f"{time.time()}\n", mode=0o600)
+    ret["result"] = not ret["errors"]
     return ret

@@ -93,6 +93,9 @@ def version():
 # Replication (salt-run multimaster.sync / multimaster.status)
 # ---------------------------------------------------------------------------
 _DEFAULT_TIMEOUT = 120
+# Backups kept on each peer (the newest; each apply that replaced or removed
+# anything makes one).
+BACKUP_KEEP = 10
 
 
 def _conf(kwargs):
@@ -101,7 +104,7 @@ def _conf(kwargs):
 
     conf = dict(__opts__.get("multimaster") or {})
     for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit",
-                "pull_min_files"):
+                "pull_min_files", "backup_keep"):
         if kwargs.get(key) is not None:
             conf[key] = kwargs[key]
     conf.setdefault("topology", "shared")
@@ -110,7 +113,8 @@ def _conf(kwargs):
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
     conf.setdefault("inline_limit", INLINE_LIMIT)
     conf.setdefault("pull_min_files", PULL_MIN_FILES)
-    for key in ("timeout", "inline_limit", "pull_min_files"):
+    conf.setdefault("backup_keep", BACKUP_KEEP)
+    for key in ("timeout", "inline_limit", "pull_min_files", "backup_keep"):
         try:
             conf[key] = int(conf[key])
         except (TypeError, ValueError):
@@ -811,7 +815,7 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
         return ret
     if ops and not test:
         chunks = _attach_contents(peer, ops, primary, how)
-        kwarg = {"ops": ops, "topology": conf["topology"]}
+        kwarg = {"ops": ops, "topology": conf["topology"], "backup_keep": conf["backup_keep"]}
         token = None
         if chunks is not None:
             # the operations travel with the first chunk, pulled point-to-point
@@ -1058,6 +1062,63 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
         __context__["retcode"] = 1
         ret["retcode"] = 1
     return ret
+
+def restore(peer=None, backup=None, test=False, **kwargs):
+    """
+    Roll a peer back: put back every file a sync replaced or removed there,
+    from one of the peer's backups (``<peer master cachedir>/multimaster/
+    backup/<timestamp>``, the newest ``multimaster:backup_keep`` kept,
+    default 10).  What the peer holds now is backed up first, so a restore is
+    undone the same way; files a sync added stay.  Run ``test=True`` first:
+    it lists what would be put back.  A peer master must restart when master
+    keys or config were restored (done in the background where systemd runs
+    it).  A later ``multimaster.sync`` makes the peer mirror the primary
+    again: fix the primary first.
+
+    peer
+        One peer of ``multimaster:peers``.
+    backup
+        The backup's timestamp, as a sync reported it (``backup``); default:
+        the newest.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.restore peer=master02 test=True
+        salt-run multimaster.restore peer=master02 backup=20261123T221500.123456Z
+    """
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
+    try:
+        conf = _conf(dict(kwargs, peers=peer))
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
+    configured = _as_list((__opts__.get("multimaster") or {}).get("peers")) \
+        if isinstance(__opts__.get("multimaster"), dict) else []
+    if len(conf["peers"]) != 1:
+        return _invalid("restore takes one peer: peer=<id of multimaster:peers>")
+    peer = conf["peers"][0]
+    if peer not in configured:
+        return _invalid(f"{peer!r} is not a peer of this master (multimaster:peers: "
+                        f"{', '.join(configured) or 'none'})")
+    bad = _peer_errors([peer])
+    if bad:
+        return _invalid(bad[peer])
+    rets = _publish([peer], "multimaster_peer.restore",
+                    {"backup_name": backup, "test": _truthy(test)}, conf["timeout"])
+    got = rets.get(peer)
+    got = got.get("ret") if isinstance(got, dict) else None
+    mismatch = protocol.reply_error(got)
+    if mismatch or not isinstance(got, dict) or "restored" not in got:
+        return _invalid(mismatch or _no_reply(peer, "the restore", got))
+    got.pop("protocol", None)
+    ret = {peer: got}
+    if not got.get("result"):
+        __context__["retcode"] = 1
+        ret["retcode"] = 1
+    return ret
+
 
 def status(peers=None, verbose=False, **kwargs):
     """

@@ -520,3 +520,34 @@ def test_no_private_key_material_outside_pki_dirs(cluster):
                 if any(n in data for n in needles):
                     hits.append(path)
     assert hits == []
+
+
+def test_restore_rolls_a_peer_back_and_backups_are_pruned(cluster):
+    peer, pm = cluster.peers[0], cluster.peer_minions[0]
+    base, pbase = cluster.file_root(cluster.primary), cluster.file_root(peer)
+    old = (pbase / "web" / "init.sls").read_text()
+    (base / "web" / "init.sls").write_text("web:\n  test.fail_without_changes\n")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}",
+                           "only=file_roots", "backup_keep=2")
+    assert ret.returncode == 0, ret.stdout
+    assert (pbase / "web" / "init.sls").read_text() != old
+    backups = pathlib.Path(peer.config["cachedir"]) / "multimaster" / "backup"
+    assert len(list(backups.iterdir())) <= 2  # older backups pruned
+    # test=True lists, changes nothing
+    ret = cluster.salt_run(cluster.primary, "multimaster.restore", f"peer={pm.id}", "test=True")
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data[pm.id]["restored"] == ["file_roots/base/web/init.sls"], ret.data
+    assert (pbase / "web" / "init.sls").read_text() != old
+    ret = cluster.salt_run(cluster.primary, "multimaster.restore", f"peer={pm.id}")
+    assert ret.returncode == 0, ret.stdout
+    assert (pbase / "web" / "init.sls").read_text() == old
+    # a peer that is not configured, or an unknown backup: named errors
+    ret = cluster.salt_run(cluster.primary, "multimaster.restore", "peer=syn-minion1")
+    assert ret.returncode != 0 and "not a peer of this master" in ret.data["error"], ret.data
+    ret = cluster.salt_run(cluster.primary, "multimaster.restore", f"peer={pm.id}",
+                           "backup=20000101T000000Z")
+    assert ret.returncode != 0 and "no backup '20000101T000000Z'" in str(ret.data), ret.data
+    # the next sync mirrors the primary again
+    (base / "web" / "init.sls").write_text(old)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}", "only=file_roots")
+    assert ret.returncode == 0, ret.stdout
