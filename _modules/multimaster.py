@@ -72,6 +72,16 @@ def _minion_opts():
     return opts
 
 
+def _audit_timeout(timeout):
+    """A finite number of seconds above 0 (a minute at most), else SaltInvocationError."""
+    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
+
+    try:
+        return salt_multimaster.validate.timeout("timeout", timeout, maximum=60)
+    except salt_multimaster.validate.InvalidInput as exc:
+        raise SaltInvocationError(f"multimaster.audit: {exc}") from None
+
+
 def audit(masters=None, master_finger=None, master_version=None, topology=None, timeout=1):
     """
     Audit this minion's multi-master configuration, changing nothing.
@@ -125,10 +135,7 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         raise SaltInvocationError(
             f"multimaster.audit: topology must be 'shared' or 'signed', not {topology!r}"
         )
-    try:
-        timeout = float(timeout)
-    except (TypeError, ValueError):
-        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+    timeout = _audit_timeout(timeout)
     try:
         opts = _minion_opts()
     except Exception as exc:  # pylint: disable=broad-except

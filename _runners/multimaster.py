@@ -99,7 +99,8 @@ def _conf(kwargs):
     """The primary's ``multimaster`` config, overridden by runner kwargs."""
     from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
 
-    conf = dict(__opts__.get("multimaster") or {})
+    conf = _valid(_checked_conf)
+    configured = _as_list(conf.get("peers"))
     for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit",
                 "pull_min_files"):
         if kwargs.get(key) is not None:
@@ -110,15 +111,60 @@ def _conf(kwargs):
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
     conf.setdefault("inline_limit", INLINE_LIMIT)
     conf.setdefault("pull_min_files", PULL_MIN_FILES)
-    for key in ("timeout", "inline_limit", "pull_min_files"):
+    conf["timeout"] = _valid(_checked_timeout, conf["timeout"])
+    for key in ("inline_limit", "pull_min_files"):
         try:
             conf[key] = int(conf[key])
         except (TypeError, ValueError):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
-    conf["rescan"] = str(kwargs.get("rescan", False)).lower() in ("true", "1", "yes")
+    _valid(_checked_targets, conf, configured)
+    conf["rescan"] = _valid(_checked_bool, "rescan", kwargs.get("rescan"))
     return conf
+
+
+# Keyword arguments of sync and status besides their named parameters.
+_CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeout",
+                "inline_limit", "pull_min_files")
+
+
+def _valid(check, *args):
+    """Run a ``salt_multimaster.validate`` check; bad input as SaltInvocationError."""
+    from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
+
+    try:
+        return check(validate, *args)
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(str(exc)) from None
+
+
+def _checked_conf(validate):
+    return validate.conf_mapping(__opts__.get("multimaster"))
+
+
+def _checked_timeout(validate, value):
+    import math  # pylint: disable=import-outside-toplevel
+
+    return int(math.ceil(validate.timeout("timeout", value)))
+
+
+def _checked_bool(validate, name, value):
+    return validate.boolean(name, value)
+
+
+def _checked_targets(validate, conf, configured):
+    """Only configured peers receive secrets; only shared policy options travel."""
+    validate.peers(conf["peers"], configured)
+    validate.config_keys(conf["master_config_keys"])
+
+
+def _checked_args(validate, fun, kwargs, minion_ids=None):
+    validate.known_kwargs(kwargs, _CONF_KWARGS, fun)
+    if minion_ids is not None and not _as_list(minion_ids):
+        raise validate.InvalidInput(
+            f"minion_ids is empty ({minion_ids!r}): name the minions whose keys to sync, "
+            "or leave minion_ids out for a full sync")
 
 
 def _as_list(value):
@@ -854,6 +900,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
     try:
+        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids)
+        test = _valid(_checked_bool, "test", test)
+        force = _valid(_checked_bool, "force", force)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -873,8 +922,6 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     if error:
         return _invalid(error)
     categories = only or conf["replicate"]
-    test = bool(test) and str(test).lower() not in ("false", "0")
-    force = bool(force) and str(force).lower() not in ("false", "0")
 
     ret = {}
     bad = _peer_errors(conf["peers"])
@@ -936,6 +983,7 @@ def _status(peers, **kwargs):
     import salt.utils.crypt  # pylint: disable=import-outside-toplevel
 
     try:
+        _valid(_checked_args, "multimaster.status", kwargs)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -1062,12 +1110,15 @@ def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_vers
     import salt.version
     import salt_multimaster.fleet
 
+    # bad input: a retcode in the return (a raised SaltInvocationError leaves
+    # salt-run exiting 0 on 3008)
     if not tgt or not isinstance(tgt, (str, list)):
-        raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")
+        return _invalid(f"multimaster.audit: invalid target {tgt!r}")
     try:
-        timeout = int(timeout) if timeout is not None else int(__opts__.get("timeout", 5))
-    except (TypeError, ValueError):
-        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+        timeout = _valid(_checked_timeout, timeout if timeout is not None
+                         else __opts__.get("timeout", 5))
+    except SaltInvocationError as exc:
+        return _invalid(f"multimaster.audit: {exc}")
     kwarg = {"master_version": master_version or {__opts__["id"]: salt.version.__version__}}
     for key, value in (("masters", masters), ("master_finger", master_finger),
                        ("topology", topology)):

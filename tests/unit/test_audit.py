@@ -607,8 +607,17 @@ def test_runner_table_by_default(runner):
     }
 
 
-def test_runner_bad_input(runner):
-    with pytest.raises(SaltInvocationError):
-        _run_runner(runner, tgt="")
-    with pytest.raises(SaltInvocationError):
-        _run_runner(runner, timeout="soon")
+@pytest.mark.parametrize("kwargs,error", [
+    ({"tgt": ""}, "multimaster.audit: invalid target ''"),
+    ({"timeout": "soon"}, "multimaster.audit: timeout must be a number of seconds, not 'soon'"),
+    ({"timeout": -1}, "multimaster.audit: timeout must be more than 0 seconds, not -1"),
+    ({"timeout": 0}, "multimaster.audit: timeout must be more than 0 seconds, not 0"),
+    ({"timeout": "nan"}, "multimaster.audit: timeout must be a finite number of seconds, not 'nan'"),
+    ({"timeout": 10 ** 9},
+     "multimaster.audit: timeout must be at most 86400 seconds, not 1000000000"),
+])
+def test_runner_bad_input(runner, kwargs, error):
+    # a retcode in the return: salt-run exits non-zero (a raised
+    # SaltInvocationError leaves it exiting 0 on 3008); nothing is published
+    assert _run_runner(runner, **kwargs) == {"result": False, "error": error, "retcode": 1}
+    assert FakeClient.calls == []
