@@ -477,6 +477,19 @@ def test_module_audit_bad_input(mod, minion_tree):
         _run(mod, minion_tree, timeout="soon")
 
 
+@pytest.mark.parametrize("timeout,message", [
+    (-1, "timeout must be more than 0 seconds, not -1"),
+    (0, "timeout must be more than 0 seconds, not 0"),
+    ("nan", "timeout must be a finite number of seconds, not 'nan'"),
+    (float("inf"), "timeout must be a finite number of seconds, not inf"),
+    (1e9, "timeout must be at most 60 seconds, not 1000000000.0"),
+])
+def test_module_audit_bad_timeout(mod, minion_tree, timeout, message):
+    with pytest.raises(SaltInvocationError) as exc:
+        _run(mod, minion_tree, timeout=timeout)
+    assert str(exc.value) == f"multimaster.audit: {message}"
+
+
 def test_module_audit_changes_nothing(mod, minion_tree, tmp_path):
     def snapshot():
         return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
