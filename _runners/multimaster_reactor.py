@@ -150,7 +150,7 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         # a queued line "*" means every key: a key named "x\n*" must not
         # trigger a full sync
         log.warning("multimaster: key event %s with invalid minion id %r dropped", act, minion_id)
-        return {"ignored": f"invalid minion id {minion_id!r}", "result": False}
+        return {"ignored": f"invalid minion id {minion_id!r}", "result": False, "retcode": 1}
     state_dir = _state_dir()
     queue = _Queue(state_dir)
     lock_path = os.path.join(state_dir, "key-sync.lock")

@@ -177,7 +177,7 @@ def test_key_event_drops_invalid_ids(tmp_path, mid):
     calls = []
     mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
     assert mod.key_event(act="pending", minion_id=mid, window=0) == {
-        "ignored": f"invalid minion id {mid!r}", "result": False}
+        "ignored": f"invalid minion id {mid!r}", "result": False, "retcode": 1}
     assert calls == []
     assert not (tmp_path / "multimaster" / "key-sync.pending").exists()
     # a valid id after it syncs that id only
