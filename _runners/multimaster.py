@@ -856,7 +856,9 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
     Make each peer master mirror this (primary) master.
 
     peers
-        Peer minion ids (default: ``multimaster:peers`` from the master config).
+        Peer minion ids (default: ``multimaster:peers`` from the master
+        config); only ids listed there are accepted: anything else is
+        refused before anything is sent.
     only
         Categories to sync, among master_keys, minion_keys, file_roots,
         pillar_roots, master_config (default: ``multimaster:replicate``).
