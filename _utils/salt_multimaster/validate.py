@@ -181,7 +181,9 @@ def _need(where, op, field, kind, check=None):
         raise InvalidInput(f"{where}: missing field {field!r}")
     value = op[field]
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise InvalidInput(f"{where}: field {field!r} must be a {kind.__name__}, not {value!r}")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        article = "an" if names[0] in "aeiou" else "a"
+        raise InvalidInput(f"{where}: field {field!r} must be {article} {names}, not {value!r}")
     if check is not None and not check(value):
         raise InvalidInput(f"{where}: invalid {field} {value!r}")
     return value

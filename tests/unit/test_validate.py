@@ -162,7 +162,7 @@ def test_ops_accepts_what_the_runner_plans():
     ({"file_roots": [{"op": "write", "env": "base", "rel": "../x", "mode": 420, "sha256": SHA}]},
      "ops['file_roots'][0]: invalid rel '../x'"),
     ({"file_roots": [{"op": "write", "env": "base", "rel": "x", "mode": "0644", "sha256": SHA}]},
-     "ops['file_roots'][0]: field 'mode' must be a int, not '0644'"),
+     "ops['file_roots'][0]: field 'mode' must be an int, not '0644'"),
     ({"file_roots": [{"op": "write", "env": "base", "rel": "x", "mode": 420, "sha256": "zz"}]},
      "ops['file_roots'][0]: invalid sha256 'zz'"),
     ({"pillar_roots": [{"op": "remove", "rel": "x"}]}, "ops['pillar_roots'][0]: missing field 'env'"),
