@@ -592,10 +592,12 @@ def restart_minion(cmd=None, delay=None):
     cmd = cmd or pillar.get("minion_restart_cmd") or _MM_DEFAULT_RESTART_CMD
     if delay is None:
         delay = pillar.get("minion_restart_delay", _MM_DEFAULT_RESTART_DELAY)
+    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
+
     try:
-        delay = max(0, int(delay))
-    except (TypeError, ValueError) as exc:
-        raise _MMSaltInvocationError(f"delay {delay!r} is not a number of seconds") from exc
+        delay = salt_multimaster.validate.delay("delay", delay)
+    except salt_multimaster.validate.InvalidInput as exc:
+        raise _MMSaltInvocationError(str(exc)) from None
     state_dir = _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster")
     _mm_os.makedirs(state_dir, mode=0o700, exist_ok=True)
     pending = _mm_os.path.join(state_dir, "restart.pending")

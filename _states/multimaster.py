@@ -93,6 +93,12 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
         restart = validate.boolean("restart", restart, default=True)
         if restart_delay is not None:
             restart_delay = validate.delay("restart_delay", restart_delay)
+        else:
+            # the restart falls back to this pillar key: check it now too
+            pillar_delay = salt.utils.data.traverse_dict_and_list(
+                __pillar__, "multimaster:minion_restart_delay", None, delimiter=":")
+            if pillar_delay is not None:
+                validate.delay("pillar multimaster:minion_restart_delay", pillar_delay)
         if restart_cmd is not None and (not isinstance(restart_cmd, str) or not restart_cmd.strip()):
             raise validate.InvalidInput(
                 f"restart_cmd must be a non-empty command string, not {restart_cmd!r}")

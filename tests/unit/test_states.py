@@ -519,3 +519,27 @@ def test_invalid_restart_delay_leaves_files_alone(minion):
     assert not dropin.exists()
     assert cached.read_text() == stale
     minion["run_bg"].assert_not_called()
+
+
+def test_invalid_pillar_restart_delay_writes_nothing():
+    called = MagicMock()
+    funcs = {name: called for name in (
+        "multimaster.minion_config_check", "multimaster.minion_config_apply",
+        "multimaster.restart_minion")}
+    with patch.dict(states.__opts__, {"test": False}), patch.dict(states.__salt__, funcs), \
+            patch.dict(states.__pillar__, {"multimaster": {"minion_restart_delay": "later"}}):
+        ret = states.minion_config("multimaster.conf", masters=["m1", "m2"])
+    assert ret == {"name": "multimaster.conf", "result": False, "changes": {},
+                   "comment": "Invalid argument, nothing written: pillar "
+                              "multimaster:minion_restart_delay must be a number of seconds, "
+                              "not 'later'"}
+    called.assert_not_called()
+
+
+@pytest.mark.parametrize("delay", [-1, "soon", float("nan"), 10 ** 6])
+def test_restart_minion_refuses_bad_delay(minion, delay):
+    from salt.exceptions import SaltInvocationError  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(SaltInvocationError, match="^delay must be"):
+        module.restart_minion(cmd="true", delay=delay)
+    minion["run_bg"].assert_not_called()
