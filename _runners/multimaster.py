@@ -159,8 +159,11 @@ def _checked_targets(validate, conf, configured):
     validate.config_keys(conf["master_config_keys"])
 
 
-def _checked_args(validate, fun, kwargs, minion_ids=None):
+def _checked_args(validate, fun, kwargs, minion_ids=None, only=None):
     validate.known_kwargs(kwargs, _CONF_KWARGS, fun)
+    if only is not None and not _as_list(only):
+        raise validate.InvalidInput(
+            f"only is empty ({only!r}): name the categories to sync, or leave only out")
     if minion_ids is not None and not _as_list(minion_ids):
         raise validate.InvalidInput(
             f"minion_ids is empty ({minion_ids!r}): name the minions whose keys to sync, "
@@ -902,7 +905,7 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
 
     try:
-        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids)
+        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
         test = _valid(_checked_bool, "test", test)
         force = _valid(_checked_bool, "force", force)
         conf = _conf(dict(kwargs, peers=peers))

@@ -102,6 +102,7 @@ def test_host_specific_master_config_refused(cluster, key):
                   "master_config_keys, pull_min_files, replicate, rescan, timeout, topology)"),
     ("minion_ids=", "minion_ids is empty (''): name the minions whose keys to sync, or leave "
                     "minion_ids out for a full sync"),
+    ("only=", "only is empty (''): name the categories to sync, or leave only out"),
 ])
 def test_sync_bad_input(cluster, arg, error):
     assert _refused(cluster, "multimaster.sync", arg) == {

@@ -57,6 +57,7 @@ def _refused(error):
                          "leave minion_ids out for a full sync"),
     ({"minion_ids": []}, "minion_ids is empty ([]): name the minions whose keys to sync, or "
                          "leave minion_ids out for a full sync"),
+    ({"only": ""}, "only is empty (''): name the categories to sync, or leave only out"),
 ])
 def test_sync_refuses(runner, kwargs, error):
     assert runner.sync(**kwargs) == _refused(error)
