@@ -72,6 +72,16 @@ def _minion_opts():
     return opts
 
 
+def _audit_timeout(timeout):
+    """A finite number of seconds above 0 (a minute at most), else SaltInvocationError."""
+    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
+
+    try:
+        return salt_multimaster.validate.timeout("timeout", timeout, maximum=60)
+    except salt_multimaster.validate.InvalidInput as exc:
+        raise SaltInvocationError(f"multimaster.audit: {exc}") from None
+
+
 def audit(masters=None, master_finger=None, master_version=None, topology=None, timeout=1):
     """
     Audit this minion's multi-master configuration, changing nothing.
@@ -125,10 +135,7 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         raise SaltInvocationError(
             f"multimaster.audit: topology must be 'shared' or 'signed', not {topology!r}"
         )
-    try:
-        timeout = float(timeout)
-    except (TypeError, ValueError):
-        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+    timeout = _audit_timeout(timeout)
     try:
         opts = _minion_opts()
     except Exception as exc:  # pylint: disable=broad-except
@@ -585,10 +592,12 @@ def restart_minion(cmd=None, delay=None):
     cmd = cmd or pillar.get("minion_restart_cmd") or _MM_DEFAULT_RESTART_CMD
     if delay is None:
         delay = pillar.get("minion_restart_delay", _MM_DEFAULT_RESTART_DELAY)
+    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
+
     try:
-        delay = max(0, int(delay))
-    except (TypeError, ValueError) as exc:
-        raise _MMSaltInvocationError(f"delay {delay!r} is not a number of seconds") from exc
+        delay = salt_multimaster.validate.delay("delay", delay)
+    except salt_multimaster.validate.InvalidInput as exc:
+        raise _MMSaltInvocationError(str(exc)) from None
     state_dir = _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster")
     _mm_os.makedirs(state_dir, mode=0o700, exist_ok=True)
     pending = _mm_os.path.join(state_dir, "restart.pending")

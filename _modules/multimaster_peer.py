@@ -25,7 +25,8 @@ import salt.utils.yaml
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import backup, daemon, fsutil, manifest, protocol, replicate, seal
+    from salt_multimaster import (backup, daemon, fsutil, manifest, protocol, replicate, seal,
+                                  validate)
 
     HAS_CORE = True
 except ImportError:
@@ -145,6 +146,13 @@ def _dropin_path(mopts):
     return os.path.join(conf_dir, os.path.dirname(include), "multimaster-sync.conf")
 
 
+def _refused(fun, exc):
+    """Bad input from the primary or the CLI: a named error, result False, a non-zero exit."""
+    log.error("multimaster: %s refused: %s", fun, exc)
+    __context__["retcode"] = 1
+    return {"result": False, "error": f"{fun}: {exc}"}
+
+
 def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
               rescan=False, sealed=None):
     """
@@ -173,6 +181,16 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
 def _inventory(categories, digests, topology, config_keys, test, rescan):
     categories = categories or list(replicate.CATEGORIES)
     digests = digests or {}
+    try:
+        validate.categories(categories)
+        if not isinstance(digests, dict):
+            raise validate.InvalidInput(f"digests must be a mapping, not {digests!r}")
+        if config_keys is not None:
+            if not isinstance(config_keys, (list, tuple)):
+                raise validate.InvalidInput(f"config_keys must be a list, not {config_keys!r}")
+            validate.config_keys(config_keys)
+    except validate.InvalidInput as exc:
+        return _refused("multimaster_peer.inventory", exc)
     mopts = _master_opts()
     state_dir = _state_dir()
     running, where = daemon.master_running(mopts)
@@ -428,6 +446,10 @@ def mirror_keys(keys=None, force=False, test=False, sealed=None):
 
 
 def _mirror_keys(keys, force, test):
+    try:
+        validate.mirror_keys(keys)
+    except validate.InvalidInput as exc:
+        return _refused("multimaster_peer.mirror_keys", exc)
     mopts = _master_opts()
     errors = []
     primary = {state: {} for state in manifest.KEY_STATES}
@@ -560,7 +582,8 @@ def _apply_master_config(app, ops):
             fsutil.makedirs(os.path.dirname(path))
             data = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
             data += salt.utils.yaml.safe_dump(op["values"], default_flow_style=False)
-            app.write(path, data.encode(), 0o644, "master_config/multimaster-sync.conf", None)
+            # 0600: external_auth and the like may hold credentials
+            app.write(path, data.encode(), 0o600, "master_config/multimaster-sync.conf", None)
             report["updated"].append(os.path.basename(path))
         except (CommandExecutionError, OSError) as exc:
             report["errors"].append(f"{path}: {exc}")
@@ -723,6 +746,12 @@ def _apply(ops, topology, pull_token, pull_chunks, backup_keep):
         if app.puller is not None and ops is None:
             ops = app.puller.ops()
         ops = ops or {}
+        try:
+            validate.ops(ops)
+            if topology not in replicate.TOPOLOGIES:
+                raise validate.InvalidInput(f"unknown topology {topology!r}")
+        except validate.InvalidInput as exc:
+            return _refused("multimaster_peer.apply", exc)
         ret = _apply_categories(app, ops, topology)
     except BaseException:
         app.batch.abort()  # no temporary file left behind

@@ -102,7 +102,8 @@ def _conf(kwargs):
     """The primary's ``multimaster`` config, overridden by runner kwargs."""
     from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
 
-    conf = dict(__opts__.get("multimaster") or {})
+    conf = _valid(_checked_conf)
+    configured = _as_list(conf.get("peers"))
     for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit",
                 "pull_min_files", "backup_keep"):
         if kwargs.get(key) is not None:
@@ -114,15 +115,63 @@ def _conf(kwargs):
     conf.setdefault("inline_limit", INLINE_LIMIT)
     conf.setdefault("pull_min_files", PULL_MIN_FILES)
     conf.setdefault("backup_keep", BACKUP_KEEP)
-    for key in ("timeout", "inline_limit", "pull_min_files", "backup_keep"):
+    conf["timeout"] = _valid(_checked_timeout, conf["timeout"])
+    for key in ("inline_limit", "pull_min_files", "backup_keep"):
         try:
             conf[key] = int(conf[key])
         except (TypeError, ValueError):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
-    conf["rescan"] = str(kwargs.get("rescan", False)).lower() in ("true", "1", "yes")
+    _valid(_checked_targets, conf, configured)
+    conf["rescan"] = _valid(_checked_bool, "rescan", kwargs.get("rescan"))
     return conf
+
+
+# Keyword arguments of sync and status besides their named parameters.
+_CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeout",
+                "inline_limit", "pull_min_files", "backup_keep")
+
+
+def _valid(check, *args):
+    """Run a ``salt_multimaster.validate`` check; bad input as SaltInvocationError."""
+    from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
+
+    try:
+        return check(validate, *args)
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(str(exc)) from None
+
+
+def _checked_conf(validate):
+    return validate.conf_mapping(__opts__.get("multimaster"))
+
+
+def _checked_timeout(validate, value):
+    import math  # pylint: disable=import-outside-toplevel
+
+    return int(math.ceil(validate.timeout("timeout", value)))
+
+
+def _checked_bool(validate, name, value):
+    return validate.boolean(name, value)
+
+
+def _checked_targets(validate, conf, configured):
+    """Only configured peers receive secrets; only shared policy options travel."""
+    validate.peers(conf["peers"], configured)
+    validate.config_keys(conf["master_config_keys"])
+
+
+def _checked_args(validate, fun, kwargs, minion_ids=None, only=None):
+    validate.known_kwargs(kwargs, _CONF_KWARGS, fun)
+    if only is not None and not _as_list(only):
+        raise validate.InvalidInput(
+            f"only is empty ({only!r}): name the categories to sync, or leave only out")
+    if minion_ids is not None and not _as_list(minion_ids):
+        raise validate.InvalidInput(
+            f"minion_ids is empty ({minion_ids!r}): name the minions whose keys to sync, "
+            "or leave minion_ids out for a full sync")
 
 
 def _as_list(value):
@@ -944,7 +993,9 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
     Make each peer master mirror this (primary) master.
 
     peers
-        Peer minion ids (default: ``multimaster:peers`` from the master config).
+        Peer minion ids (default: ``multimaster:peers`` from the master
+        config); only ids listed there are accepted: anything else is
+        refused before anything is sent.
     only
         Categories to sync, among master_keys, minion_keys, file_roots,
         pillar_roots, master_config (default: ``multimaster:replicate``).
@@ -1003,6 +1054,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     from salt_multimaster import manifest, protocol  # pylint: disable=import-outside-toplevel
 
     try:
+        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
+        test = _valid(_checked_bool, "test", test)
+        force = _valid(_checked_bool, "force", force)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -1022,8 +1076,6 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     if error:
         return _invalid(error)
     categories = only or conf["replicate"]
-    test = bool(test) and str(test).lower() not in ("false", "0")
-    force = bool(force) and str(force).lower() not in ("false", "0")
 
     ret = {}
     bad = _peer_errors(conf["peers"])
@@ -1091,22 +1143,20 @@ def restore(peer=None, backup=None, test=False, **kwargs):
     from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
 
     try:
+        _valid(_checked_args, "multimaster.restore", {k: v for k, v in kwargs.items()
+                                                      if k != "timeout"})
+        test = _valid(_checked_bool, "test", test)
+        if len(_as_list(peer)) != 1:
+            raise SaltInvocationError("restore takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(dict(kwargs, peers=peer))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
-    configured = _as_list((__opts__.get("multimaster") or {}).get("peers")) \
-        if isinstance(__opts__.get("multimaster"), dict) else []
-    if len(conf["peers"]) != 1:
-        return _invalid("restore takes one peer: peer=<id of multimaster:peers>")
     peer = conf["peers"][0]
-    if peer not in configured:
-        return _invalid(f"{peer!r} is not a peer of this master (multimaster:peers: "
-                        f"{', '.join(configured) or 'none'})")
     bad = _peer_errors([peer])
     if bad:
         return _invalid(bad[peer])
     rets = _publish([peer], "multimaster_peer.restore",
-                    {"backup_name": backup, "test": _truthy(test)}, conf["timeout"])
+                    {"backup_name": backup, "test": test}, conf["timeout"])
     got = rets.get(peer)
     got = got.get("ret") if isinstance(got, dict) else None
     mismatch = protocol.reply_error(got)
@@ -1157,6 +1207,7 @@ def _status(peers, **kwargs):
     from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
 
     try:
+        _valid(_checked_args, "multimaster.status", kwargs)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -1299,12 +1350,15 @@ def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_vers
     import salt.version
     import salt_multimaster.fleet
 
+    # bad input: a retcode in the return (a raised SaltInvocationError leaves
+    # salt-run exiting 0 on 3008)
     if not tgt or not isinstance(tgt, (str, list)):
-        raise SaltInvocationError(f"multimaster.audit: invalid target {tgt!r}")
+        return _invalid(f"multimaster.audit: invalid target {tgt!r}")
     try:
-        timeout = int(timeout) if timeout is not None else int(__opts__.get("timeout", 5))
-    except (TypeError, ValueError):
-        raise SaltInvocationError(f"multimaster.audit: timeout must be a number: {timeout!r}")
+        timeout = _valid(_checked_timeout, timeout if timeout is not None
+                         else __opts__.get("timeout", 5))
+    except SaltInvocationError as exc:
+        return _invalid(f"multimaster.audit: {exc}")
     kwarg = {"master_version": master_version or {__opts__["id"]: salt.version.__version__}}
     for key, value in (("masters", masters), ("master_finger", master_finger),
                        ("topology", topology)):

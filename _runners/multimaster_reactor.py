@@ -55,6 +55,22 @@ def _record_job(**kwargs):
                 __opts__.get("id"), jobs.args(**kwargs))
 
 
+def _valid_event_id(minion_id):
+    """Whether a key event's minion id may be queued (``salt_multimaster.validate``)."""
+    try:
+        # the multimaster runner brings the core onto sys.path when loaded
+        "multimaster.sync" in __salt__  # pylint: disable=pointless-statement
+        from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        validate = None
+    if validate is not None:
+        return validate.event_minion_id(minion_id)
+    # without the core: the same rule, inline
+    return (isinstance(minion_id, str) and minion_id not in ("", ".", "..")
+            and not any(c in minion_id for c in "/\\*?[]!,") and minion_id.isprintable()
+            and not any(c.isspace() for c in minion_id))
+
+
 class _Queue:
     """Minion ids waiting for a key sync, in a file shared by reactor threads and processes."""
 
@@ -165,6 +181,13 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
     _record_job(act=act, minion_id=minion_id)
     if act is not None and act not in KEY_ACTS:
         return {"ignored": f"act {act!r}"}
+    if isinstance(minion_id, (int, float)) and not isinstance(minion_id, bool):
+        minion_id = str(minion_id)  # an id such as 1234, read as a number on the CLI
+    if minion_id is not None and not _valid_event_id(minion_id):
+        # a queued line "*" means every key: a key named "x\n*" must not
+        # trigger a full sync
+        log.warning("multimaster: key event %s with invalid minion id %r dropped", act, minion_id)
+        return {"ignored": f"invalid minion id {minion_id!r}", "result": False, "retcode": 1}
     quiet = _conf_float("key_event_quiet", quiet, QUIET)
     max_wait = _conf_float("key_event_max_wait", max_wait, MAX_WAIT)
     state_dir = _state_dir()

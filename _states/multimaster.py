@@ -81,6 +81,34 @@ def _check(ret, fun, what, args_what, **kwargs):
     return check
 
 
+def _restart_args(ret, restart, restart_cmd, restart_delay):
+    """
+    Check the restart arguments before anything is written; on bad input fill
+    ``ret`` (result False, a comment naming the argument) and return None,
+    else ``(restart, restart_cmd, restart_delay)`` normalized.
+    """
+    import salt_multimaster.validate as validate  # pylint: disable=import-outside-toplevel
+
+    try:
+        restart = validate.boolean("restart", restart, default=True)
+        if restart_delay is not None:
+            restart_delay = validate.delay("restart_delay", restart_delay)
+        else:
+            # the restart falls back to this pillar key: check it now too
+            pillar_delay = salt.utils.data.traverse_dict_and_list(
+                __pillar__, "multimaster:minion_restart_delay", None, delimiter=":")
+            if pillar_delay is not None:
+                validate.delay("pillar multimaster:minion_restart_delay", pillar_delay)
+        if restart_cmd is not None and (not isinstance(restart_cmd, str) or not restart_cmd.strip()):
+            raise validate.InvalidInput(
+                f"restart_cmd must be a non-empty command string, not {restart_cmd!r}")
+    except validate.InvalidInput as exc:
+        ret["result"] = False
+        ret["comment"] = f"Invalid argument, nothing written: {exc}"
+        return None
+    return restart, restart_cmd, restart_delay
+
+
 def _schedule_restart(ret, restart, restart_cmd, restart_delay):
     """Schedule the background restart and record it in ``ret``."""
     if not restart:
@@ -153,6 +181,10 @@ def minion_config(
         salt '*' state.single multimaster.minion_config multimaster.conf masters='[m1, m2]'
     """
     ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    restart_args = _restart_args(ret, restart, restart_cmd, restart_delay)
+    if restart_args is None:
+        return ret
+    restart, restart_cmd, restart_delay = restart_args
     settings = salt.utils.args.clean_kwargs(**settings)
     check = _check(ret, "multimaster.minion_config_check", "the multi-master minion config",
                    "multi-master minion settings", masters=masters, name=name, **settings)
@@ -252,6 +284,10 @@ def master_key(
         salt '*' state.single multimaster.master_key minion_master.pub source=salt://keys/master.pub
     """
     ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    restart_args = _restart_args(ret, restart, restart_cmd, restart_delay)
+    if restart_args is None:
+        return ret
+    restart, restart_cmd, restart_delay = restart_args
     if contents is None and contents_pillar:
         contents = salt.utils.data.traverse_dict_and_list(
             __pillar__, contents_pillar, None, delimiter=":"

@@ -34,6 +34,10 @@ def cluster(cluster_factory):
         master_overrides={"master_sign_pubkey": True},
         minion_overrides={"verify_master_pubkey_sign": True},
     )
+    # only peers listed in multimaster:peers are synced
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(f"multimaster:\n  peers: [{cluster.peer_minions[0].id}]\n")
     cluster.start(before_minions=_trust_primary_sign_key)
     yield cluster
     cluster.stop()

@@ -477,6 +477,19 @@ def test_module_audit_bad_input(mod, minion_tree):
         _run(mod, minion_tree, timeout="soon")
 
 
+@pytest.mark.parametrize("timeout,message", [
+    (-1, "timeout must be more than 0 seconds, not -1"),
+    (0, "timeout must be more than 0 seconds, not 0"),
+    ("nan", "timeout must be a finite number of seconds, not 'nan'"),
+    (float("inf"), "timeout must be a finite number of seconds, not inf"),
+    (1e9, "timeout must be at most 60 seconds, not 1000000000.0"),
+])
+def test_module_audit_bad_timeout(mod, minion_tree, timeout, message):
+    with pytest.raises(SaltInvocationError) as exc:
+        _run(mod, minion_tree, timeout=timeout)
+    assert str(exc.value) == f"multimaster.audit: {message}"
+
+
 def test_module_audit_changes_nothing(mod, minion_tree, tmp_path):
     def snapshot():
         return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
@@ -607,8 +620,17 @@ def test_runner_table_by_default(runner):
     }
 
 
-def test_runner_bad_input(runner):
-    with pytest.raises(SaltInvocationError):
-        _run_runner(runner, tgt="")
-    with pytest.raises(SaltInvocationError):
-        _run_runner(runner, timeout="soon")
+@pytest.mark.parametrize("kwargs,error", [
+    ({"tgt": ""}, "multimaster.audit: invalid target ''"),
+    ({"timeout": "soon"}, "multimaster.audit: timeout must be a number of seconds, not 'soon'"),
+    ({"timeout": -1}, "multimaster.audit: timeout must be more than 0 seconds, not -1"),
+    ({"timeout": 0}, "multimaster.audit: timeout must be more than 0 seconds, not 0"),
+    ({"timeout": "nan"}, "multimaster.audit: timeout must be a finite number of seconds, not 'nan'"),
+    ({"timeout": 10 ** 9},
+     "multimaster.audit: timeout must be at most 86400 seconds, not 1000000000"),
+])
+def test_runner_bad_input(runner, kwargs, error):
+    # a retcode in the return: salt-run exits non-zero (a raised
+    # SaltInvocationError leaves it exiting 0 on 3008); nothing is published
+    assert _run_runner(runner, **kwargs) == {"result": False, "error": error, "retcode": 1}
+    assert FakeClient.calls == []

@@ -169,3 +169,24 @@ def test_key_event_window_absorbs_burst(tmp_path):
         assert mod.key_event(act="accepted")["syncs"] == 1
         assert mod.key_event(act="accepted", window=0.5)["syncs"] == 1
     assert slept == [0.5]
+
+
+@pytest.mark.parametrize("mid", ["x\n*", "*", "web?", "a b", "[ab]", "a/b", ""])
+def test_key_event_drops_invalid_ids(tmp_path, mid):
+    """A pending key named ``x\\n*`` must not queue ``*`` (every key): logged and dropped."""
+    calls = []
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
+    assert mod.key_event(act="pending", minion_id=mid, window=0) == {
+        "ignored": f"invalid minion id {mid!r}", "result": False, "retcode": 1}
+    assert calls == []
+    assert not (tmp_path / "multimaster" / "key-sync.pending").exists()
+    # a valid id after it syncs that id only
+    assert mod.key_event(act="pending", minion_id="web01", window=0)["syncs"] == 1
+    assert calls == [["web01"]]
+
+
+def test_key_event_numeric_id(tmp_path):
+    calls = []
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
+    assert mod.key_event(act="accepted", minion_id=1234, window=0)["syncs"] == 1
+    assert calls == [["1234"]]

@@ -474,3 +474,72 @@ def test_master_key_finger_only(minion):
         assert ret["result"] is False and "no key content" in ret["comment"]
         ret = states.master_key("minion_master.pub")
         assert ret["result"] is False and "give the expected key" in ret["comment"]
+
+
+# ---------------------------------------------------------------------------
+# every argument is checked before anything is written
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,message", [
+    ({"restart_delay": "soon"},
+     "restart_delay must be a number of seconds, not 'soon'"),
+    ({"restart_delay": -1},
+     "restart_delay must be a whole number of seconds from 0 to 3600, not -1"),
+    ({"restart": "maybe"},
+     "restart must be a boolean (True/False, yes/no, 1/0), not 'maybe'"),
+    ({"restart_cmd": ["systemctl"]},
+     "restart_cmd must be a non-empty command string, not ['systemctl']"),
+])
+def test_invalid_restart_args_write_nothing(kwargs, message):
+    called = MagicMock()
+    funcs = {name: called for name in (
+        "multimaster.minion_config_check", "multimaster.minion_config_apply",
+        "multimaster.master_key_check", "multimaster.master_key_apply",
+        "multimaster.restart_minion")}
+    with patch.dict(states.__opts__, {"test": False}), patch.dict(states.__salt__, funcs):
+        ret = states.minion_config("multimaster.conf", masters=["m1", "m2"], **kwargs)
+        assert ret == {"name": "multimaster.conf", "result": False, "changes": {},
+                       "comment": f"Invalid argument, nothing written: {message}"}
+        ret = states.master_key("minion_master.pub", contents="PEM", **kwargs)
+        assert ret == {"name": "minion_master.pub", "result": False, "changes": {},
+                       "comment": f"Invalid argument, nothing written: {message}"}
+    called.assert_not_called()
+
+
+def test_invalid_restart_delay_leaves_files_alone(minion):
+    dropin = minion["conf_dir"] / "minion.d" / "multimaster.conf"
+    cached = minion["pki"] / "minion_master.pub"
+    stale, good = _pub(), _pub()
+    cached.write_text(stale)
+    with patch.dict(states.__opts__, {"test": False}):
+        ret = states.minion_config("multimaster.conf", masters=["127.0.0.2", "127.0.0.3"],
+                                   restart_delay="soon")
+        assert ret["result"] is False, ret
+        ret = states.master_key("minion_master.pub", contents=good, restart_delay=-5)
+        assert ret["result"] is False, ret
+    assert not dropin.exists()
+    assert cached.read_text() == stale
+    minion["run_bg"].assert_not_called()
+
+
+def test_invalid_pillar_restart_delay_writes_nothing():
+    called = MagicMock()
+    funcs = {name: called for name in (
+        "multimaster.minion_config_check", "multimaster.minion_config_apply",
+        "multimaster.restart_minion")}
+    with patch.dict(states.__opts__, {"test": False}), patch.dict(states.__salt__, funcs), \
+            patch.dict(states.__pillar__, {"multimaster": {"minion_restart_delay": "later"}}):
+        ret = states.minion_config("multimaster.conf", masters=["m1", "m2"])
+    assert ret == {"name": "multimaster.conf", "result": False, "changes": {},
+                   "comment": "Invalid argument, nothing written: pillar "
+                              "multimaster:minion_restart_delay must be a number of seconds, "
+                              "not 'later'"}
+    called.assert_not_called()
+
+
+@pytest.mark.parametrize("delay", [-1, "soon", float("nan"), 10 ** 6])
+def test_restart_minion_refuses_bad_delay(minion, delay):
+    from salt.exceptions import SaltInvocationError  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(SaltInvocationError, match="^delay must be"):
+        module.restart_minion(cmd="true", delay=delay)
+    minion["run_bg"].assert_not_called()

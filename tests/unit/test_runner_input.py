@@ -1,0 +1,109 @@
+"""
+``multimaster.sync``/``multimaster.status`` refuse bad input before anything
+is read or sent: a named error and a ``retcode`` in the return (what makes
+``salt-run`` exit non-zero on 3008).
+"""
+
+import importlib.util
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("mm_runner_input", REPO / "_runners" / "multimaster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def runner(tmp_path):
+    mod = _load()
+    (tmp_path / "pki" / "minions").mkdir(parents=True)
+    for mid in ("m2", "m3", "web01"):
+        (tmp_path / "pki" / "minions" / mid).write_text("key")
+    mod.__opts__ = {"id": "m1", "pki_dir": str(tmp_path / "pki"), "cachedir": str(tmp_path / "c"),
+                    "multimaster": {"peers": ["m2", "m3"]}}
+    mod.__context__ = {}
+
+    def nothing_sent(*args, **kwargs):
+        raise AssertionError(f"published with bad input: {args} {kwargs}")
+
+    mod._Job = nothing_sent
+    mod._publish = nothing_sent
+    mod._primary_state = nothing_sent
+    return mod
+
+
+def _refused(error):
+    return {"result": False, "error": error, "retcode": 1}
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"peers": "m2,web01", "only": "master_keys"},
+     "peer(s) 'web01' not in multimaster:peers of the master config (configured: m2, m3); "
+     "only configured peers are synced"),
+    ({"timeout": 0}, "timeout must be more than 0 seconds, not 0"),
+    ({"timeout": -3}, "timeout must be more than 0 seconds, not -3"),
+    ({"timeout": "nan"}, "timeout must be a finite number of seconds, not 'nan'"),
+    ({"timeout": float("inf")}, "timeout must be a finite number of seconds, not inf"),
+    ({"timeout": 10 ** 12}, "timeout must be at most 86400 seconds, not 1000000000000"),
+    ({"force": "maybe"}, "force must be a boolean (True/False, yes/no, 1/0), not 'maybe'"),
+    ({"test": "sure"}, "test must be a boolean (True/False, yes/no, 1/0), not 'sure'"),
+    ({"rescan": "always"}, "rescan must be a boolean (True/False, yes/no, 1/0), not 'always'"),
+    ({"minion_ids": ""}, "minion_ids is empty (''): name the minions whose keys to sync, or "
+                         "leave minion_ids out for a full sync"),
+    ({"minion_ids": []}, "minion_ids is empty ([]): name the minions whose keys to sync, or "
+                         "leave minion_ids out for a full sync"),
+    ({"only": ""}, "only is empty (''): name the categories to sync, or leave only out"),
+])
+def test_sync_refuses(runner, kwargs, error):
+    assert runner.sync(**kwargs) == _refused(error)
+    assert runner.__context__["retcode"] == 1
+
+
+@pytest.mark.parametrize("key", ["pki_dir", "interface", "id", "cachedir", "multimaster"])
+def test_sync_refuses_host_specific_master_config_keys(runner, key):
+    from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
+
+    assert runner.sync(master_config_keys=f"nodegroups,{key}") == _refused(
+        f"master_config_keys: {key!r} not replicable: only cluster-wide policy options are "
+        f"({', '.join(validate.SHARED_CONFIG_KEYS)}); host-specific options such as id, "
+        "interface, pki_dir, cachedir or multimaster stay on each host")
+    runner.__opts__["multimaster"]["master_config_keys"] = [key]
+    assert runner.sync()["error"].startswith(f"master_config_keys: {key!r} not replicable")
+
+
+def test_unknown_kwarg_message_lists_the_known_ones(runner):
+    assert runner.sync(tset=True) == _refused(
+        "multimaster.sync: unknown argument(s) tset (known: backup_keep, inline_limit, "
+        "master_config_keys, "
+        "pull_min_files, replicate, rescan, timeout, topology)")
+
+
+@pytest.mark.parametrize("conf", ["m2,m3", ["m2", "m3"]])
+def test_multimaster_config_not_a_mapping(runner, conf):
+    runner.__opts__["multimaster"] = conf
+    assert runner.sync() == _refused(
+        "the master config option multimaster must be a mapping (peers:, topology:, ...), "
+        f"not a {type(conf).__name__}: {conf!r}")
+    assert runner.status() == _refused(
+        "the master config option multimaster must be a mapping (peers:, topology:, ...), "
+        f"not a {type(conf).__name__}: {conf!r}")
+
+
+def test_status_refuses(runner):
+    assert runner.status(peers="web01") == _refused(
+        "peer(s) 'web01' not in multimaster:peers of the master config (configured: m2, m3); "
+        "only configured peers are synced")
+    assert runner.status(tset=1)["error"].startswith("multimaster.status: unknown argument(s) tset")
+    assert runner.status(master_config_keys="id")["error"].startswith(
+        "master_config_keys: 'id' not replicable")
+
+
+def test_salt_pub_kwargs_pass(runner):
+    """Salt's __pub_* keys are not unknown arguments: the sync goes on (and publishes)."""
+    with pytest.raises(AssertionError, match="published with bad input"):
+        runner.sync(minion_ids="web01", __pub_user="root", __pub_jid="1", test="yes")
