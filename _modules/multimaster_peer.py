@@ -141,9 +141,7 @@ def _request(fun, sealed, given):
 
 
 def _dropin_path(mopts):
-    include = mopts.get("default_include") or "master.d/*.conf"
-    conf_dir = os.path.dirname(mopts["conf_file"])
-    return os.path.join(conf_dir, os.path.dirname(include), "multimaster-sync.conf")
+    return protocol.dropin_path(mopts)
 
 
 def _refused(fun, exc):
@@ -583,7 +581,7 @@ def _apply_master_config(app, ops):
             data = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
             data += salt.utils.yaml.safe_dump(op["values"], default_flow_style=False)
             # 0600: external_auth and the like may hold credentials
-            app.write(path, data.encode(), 0o600, "master_config/multimaster-sync.conf", None)
+            app.write(path, data.encode(), 0o600, f"master_config/{protocol.DROPIN_NAME}", None)
             report["updated"].append(os.path.basename(path))
         except (CommandExecutionError, OSError) as exc:
             report["errors"].append(f"{path}: {exc}")

@@ -200,6 +200,12 @@ def _validate(conf, only):
         if cat not in replicate.CATEGORIES:
             return f"unknown category {cat!r} (known: {', '.join(replicate.CATEGORIES)})"
     if not conf["peers"]:
+        from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
+        dropin = protocol.dropin_path(__opts__) if __opts__.get("conf_file") else None
+        if dropin and os.path.isfile(dropin):
+            return (f"this master is a peer: it holds {dropin}, written by a primary's "
+                    "multimaster.sync; run salt-run multimaster.sync on the primary")
         return "no peers: set multimaster:peers in the master config or pass peers=..."
     return None
 
@@ -213,9 +219,12 @@ def _peer_errors(peers):
         if not manifest.valid_minion_id(peer):
             errors[peer] = f"invalid peer id {peer!r}"
         elif not os.path.isfile(os.path.join(__opts__["pki_dir"], "minions", peer)):
+            pending = os.path.isfile(os.path.join(__opts__["pki_dir"], "minions_pre", peer))
             errors[peer] = (
-                f"peer {peer!r} is not an accepted minion of this master "
-                "(the peer host's salt-minion must be a minion of the primary)"
+                f"peer {peer!r} is not an accepted minion of this master: "
+                + (f"its key is pending, accept it: salt-key -a {peer}" if pending else
+                   "start the peer host's salt-minion with this master in its master list, "
+                   f"then accept its key: salt-key -a {peer}")
             )
     return errors
 
@@ -819,7 +828,9 @@ def _merge(report, applied):
 
 
 def _applied_name(cat, item):
-    return item if cat != "master_config" else "multimaster-sync.conf"
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
+    return item if cat != "master_config" else protocol.DROPIN_NAME
 
 
 def _no_reply(peer, what, got):

@@ -16,12 +16,15 @@ named error, not a silent "did not return".
 """
 
 import json
+import os
 import re
 
 from salt_multimaster import seal
 
 PROTOCOL = 1
 PULL_FUNCTION = "multimaster.pull"
+# The master.d drop-in a sync writes on a peer (master_config).
+DROPIN_NAME = "multimaster-sync.conf"
 
 
 class ProtocolError(ValueError):
@@ -137,3 +140,10 @@ def refusal(peer, size, inline_limit):
         f"salt.multimaster.master state) and restart the master:\n"
         f"{peer_run_snippet([peer])}"
     )
+
+
+def dropin_path(mopts):
+    """Where a peer's master reads the replicated master options."""
+    include = mopts.get("default_include") or "master.d/*.conf"
+    conf_dir = os.path.dirname(mopts["conf_file"])
+    return os.path.join(conf_dir, os.path.dirname(include), DROPIN_NAME)

@@ -265,6 +265,13 @@ def test_peer_serves_minion_after_restart(cluster):
     assert ret.returncode == 0 and ret.data == {minion: True}, ret
 
 
+def test_sync_run_on_a_peer_says_where_to_run_it(cluster):
+    ret = cluster.salt_run(cluster.peers[0], "multimaster.sync")
+    assert ret.returncode != 0
+    assert ret.data["error"].startswith("this master is a peer: it holds "), ret.data
+    assert ret.data["error"].endswith("run salt-run multimaster.sync on the primary")
+
+
 def test_noop_sync_changes_nothing(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.status")
     for pm in cluster.peer_minions:

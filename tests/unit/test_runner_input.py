@@ -107,3 +107,28 @@ def test_salt_pub_kwargs_pass(runner):
     """Salt's __pub_* keys are not unknown arguments: the sync goes on (and publishes)."""
     with pytest.raises(AssertionError, match="published with bad input"):
         runner.sync(minion_ids="web01", __pub_user="root", __pub_jid="1", test="yes")
+
+
+def test_a_peer_not_accepted_names_the_command(runner, tmp_path):
+    (tmp_path / "pki" / "minions" / "m3").unlink()
+    (tmp_path / "pki" / "minions_pre").mkdir()
+    (tmp_path / "pki" / "minions_pre" / "m3").write_text("key")
+    runner.__opts__["multimaster"]["peers"] = ["m2", "m3", "m4"]
+    errors = runner._peer_errors(["m3", "m4"])  # pylint: disable=protected-access
+    assert errors == {
+        "m3": "peer 'm3' is not an accepted minion of this master: its key is pending, "
+              "accept it: salt-key -a m3",
+        "m4": "peer 'm4' is not an accepted minion of this master: start the peer host's "
+              "salt-minion with this master in its master list, then accept its key: "
+              "salt-key -a m4",
+    }
+
+
+def test_sync_on_a_peer_says_run_it_on_the_primary(runner, tmp_path):
+    (tmp_path / "etc" / "master.d").mkdir(parents=True)
+    (tmp_path / "etc" / "master").write_text("")
+    (tmp_path / "etc" / "master.d" / "multimaster-sync.conf").write_text("nodegroups: {}\n")
+    runner.__opts__.update(conf_file=str(tmp_path / "etc" / "master"), multimaster={})
+    assert runner.sync() == _refused(
+        f"this master is a peer: it holds {tmp_path}/etc/master.d/multimaster-sync.conf, written "
+        "by a primary's multimaster.sync; run salt-run multimaster.sync on the primary")
