@@ -98,7 +98,7 @@ def test_host_specific_master_config_refused(cluster, key):
     ("force=maybe", "force must be a boolean (True/False, yes/no, 1/0), not 'maybe'"),
     ("test=sure", "test must be a boolean (True/False, yes/no, 1/0), not 'sure'"),
     ("rescan=always", "rescan must be a boolean (True/False, yes/no, 1/0), not 'always'"),
-    ("tset=True", "multimaster.sync: unknown argument(s) tset (known: inline_limit, "
+    ("tset=True", "multimaster.sync: unknown argument(s) tset (known: backup_keep, inline_limit, "
                   "master_config_keys, pull_min_files, replicate, rescan, timeout, topology)"),
     ("minion_ids=", "minion_ids is empty (''): name the minions whose keys to sync, or leave "
                     "minion_ids out for a full sync"),
@@ -206,7 +206,9 @@ def test_master_config_dropin_is_0600(cluster):
     assert _peer_jobs(cluster) != jobs
     peer = cluster.peers[0]
     dropin = pathlib.Path(peer.config_file).parent / "master.d" / "multimaster-sync.conf"
-    assert ret.data[cluster.peer_minions[0].id]["result"] is True, ret
+    # applied; the peer's master must restart to read it (no systemd here)
+    res = ret.data[cluster.peer_minions[0].id]
+    assert res["result"] is False and res["restart"] == "restart_required", ret
     assert ret.data[cluster.peer_minions[0].id]["master_config"]["added"] == [
         "nodegroups", "publisher_acl"], ret
     assert stat.S_IMODE(dropin.stat().st_mode) == 0o600
