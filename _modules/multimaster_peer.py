@@ -132,7 +132,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     cut in buckets; only the buckets whose digest differs from the primary's
     (``digests``) are returned: an unchanged peer answers with digests only,
     a peer one key behind with one bucket.  Key dirs unchanged since the
-    last inventory are not listed again unless ``rescan``.
+    last inventory are not listed again, and files unchanged in size,
+    inode and mtime are not read again, unless ``rescan``.
 
     CLI Example:
 
@@ -145,7 +146,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     mopts = _master_opts()
     state_dir = _state_dir()
     ret = {"master_id": mopts["id"], "errors": []}
-    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir)
+    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir, rescan=rescan)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = _master_key_files(mopts, topology)
@@ -214,7 +215,13 @@ class _Applier:
         self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
         self.backed_up = False
         self._minion_key = None
-        self.batch = fsutil.Batch()
+        # staged outside the roots and key dirs (nothing half-synced is ever
+        # served), where a batch killed before its commit is found and
+        # removed by the next one
+        stage_root = os.path.join(mopts["cachedir"], "multimaster", "stage")
+        for stale in fsutil.clean_stages(stage_root):
+            log.info("multimaster: removed %s, left by a sync that died", stale)
+        self.batch = fsutil.Batch(stage_root=stage_root)
         self.puller = None
         self.written = []
         # directories this sync resolved or created: a sync of 20,000 keys

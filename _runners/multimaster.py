@@ -209,7 +209,8 @@ def _primary_state(conf, categories, saved=None):
     saved = saved or {}
     errors, state = [], {}
     started = time.monotonic()
-    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir)
+    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir,
+                                              rescan=conf["rescan"])
     log.debug("multimaster: roots read in %.3f s", time.monotonic() - started)
     for cat in categories:
         started = time.monotonic()
@@ -218,7 +219,7 @@ def _primary_state(conf, categories, saved=None):
             snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir, rescan=conf["rescan"])
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
-                          "previous": snap.previous_parts()}
+                          "previous": snap.previous_parts(), "damaged": snap.damaged}
         elif cat in roots:
             man = roots[cat]
             errors.extend(roots_errors[cat])
@@ -226,7 +227,8 @@ def _primary_state(conf, categories, saved=None):
             digest = manifest.bucket_digests(parts)
             last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
             state[cat] = {"manifest": man, "parts": parts, "digest": digest,
-                          "previous": (last.digest, last.parts) if last.digest else None}
+                          "previous": (last.digest, last.parts) if last.digest else None,
+                          "damaged": manifest.damaged_sources(roots_errors[cat])}
             last.save(man, digest)
         elif cat == "master_keys":
             pem, pub = _primary_master_key_files(conf["topology"])
@@ -237,8 +239,23 @@ def _primary_state(conf, categories, saved=None):
         elif cat == "master_config":
             state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
         log.debug("multimaster: %s read in %.3f s", cat, time.monotonic() - started)
-    state["errors"] = errors
+    state["errors"] = [str(e) for e in errors]
+    state["damaged"] = _damaged_messages(state, categories)
     return state
+
+
+def _damaged_messages(state, categories):
+    """
+    One line per key or roots file that exists on the primary but cannot be
+    read or used: the peer's copy is kept, and the sync fails for it.
+    """
+    lines = []
+    for cat in categories:
+        for where, names in sorted(((state.get(cat) or {}).get("damaged") or {}).items()):
+            for name in sorted(names):
+                sep = "/" if cat == "minion_keys" else ":"
+                lines.append(f"{cat} {where}{sep}{name}: damaged or unreadable on the primary")
+    return lines
 
 
 def _sha(path):
@@ -443,11 +460,13 @@ def _plan(conf, categories, primary, inv, force):
 
             need, peer_man, history = _peer_buckets(cat, primary, theirs)
             mine = manifest.merge(_parts(primary[cat]), need) if need else {}
+            damaged = primary[cat].get("damaged")
             if cat == "minion_keys":
-                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force)
+                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force, damaged=damaged)
             else:
                 cat_ops, rep = replicate.plan_tree(
-                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"])
+                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"],
+                    damaged=damaged)
         elif cat == "master_keys":
             cat_ops, rep = replicate.plan_master_keys(
                 primary[cat]["manifest"], theirs, conf["topology"])
@@ -783,9 +802,16 @@ def _sync_ids(conf, peers, ids, test, force):
                 with open(path, encoding="utf-8") as fh:
                     data = fh.read()
             except (OSError, UnicodeDecodeError) as exc:
-                errors.append(f"{key_state}/{mid}: unreadable: {exc}")
+                errors.append(manifest.Damaged(f"{key_state}/{mid}: unreadable: {exc}", mid,
+                                               key_state))
                 continue
             keys[mid][key_state] = {"sha256": manifest.key_sha(data.encode()), "data": data}
+    # a key that exists here but cannot be read is not a deletion: its id is
+    # left out, and the peer keeps what it holds
+    damaged = sorted({mid for names in manifest.damaged_sources(errors).values() for mid in names})
+    for mid in damaged:
+        keys.pop(mid, None)
+    errors = [str(e) for e in errors]
     rets = _publish(peers, "multimaster_peer.mirror_keys",
                     {"keys": keys, "force": force, "test": test}, conf["timeout"])
     ret = {}
@@ -802,6 +828,10 @@ def _sync_ids(conf, peers, ids, test, force):
             ret[peer]["backup"] = backup
         if errors:
             ret[peer]["primary_errors"] = errors
+        if damaged:
+            ret[peer]["result"] = False
+            ret[peer]["error"] = ("damaged or unreadable on the primary, the peer's copy kept: "
+                                  + ", ".join(damaged))
     return ret
 
 
@@ -826,7 +856,19 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
     rescan
         List and stat every key dir on the primary and the peers, even those
         unchanged since the last sync (which a sync otherwise takes from its
-        saved snapshot): finds a key file rewritten in place.
+        saved snapshot), and read and hash every file_roots/pillar_roots
+        file on both sides, ignoring the hash caches (like ``rsync -c``):
+        finds a key or a file rewritten in place with the same size, inode
+        and mtime.  It reads every byte of the roots on every master, where
+        a plain sync only stats them: use it after a suspected edit behind
+        the cache, not on every run.
+    lock_wait
+        Seconds to wait for another sync of this primary to end (default
+        ``multimaster:lock_wait``, 60).  One sync runs at a time per
+        primary (a lock in ``cachedir/multimaster/sync.lock``): a second
+        one waits, then does only what is left; past ``lock_wait`` it
+        changes nothing, returns ``a sync is already running, jid ...``
+        and ``salt-run`` exits non-zero.  ``test=True`` takes no lock.
 
     Returns, per peer, ``{"result": bool, "<category>": {"added": [...],
     "updated": [...], "removed": [...], "conflicts": [...], "errors": [...]}}``.
@@ -847,7 +889,60 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
     with _job_record("multimaster.sync", __opts__.get("id"),
                      jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                                minion_ids=minion_ids, **kwargs)):
-        return _sync(peers, only, test, force, minion_ids, **kwargs)
+        if str(test).lower() in ("true", "1", "yes"):
+            return _sync(peers, only, test, force, minion_ids, **kwargs)
+        with _sync_lock(kwargs.pop("lock_wait", None)) as busy:
+            if busy:
+                return busy
+            _sweep_grants()
+            return _sync(peers, only, test, force, minion_ids, **kwargs)
+
+
+# A sync waits this long for another sync of this primary to end, then gives up.
+LOCK_WAIT = 60
+
+
+@contextlib.contextmanager
+def _sync_lock(wait=None):
+    """
+    Hold this primary's sync lock (``salt_multimaster.lock``) for the block;
+    yield None, or the failed return naming the running sync's jid when it
+    did not end within ``wait`` seconds (``lock_wait=``, else
+    ``multimaster:lock_wait``, default 60).
+    """
+    from salt_multimaster import lock  # pylint: disable=import-outside-toplevel
+
+    if wait is None:
+        wait = (__opts__.get("multimaster") or {}).get("lock_wait", LOCK_WAIT)
+    try:
+        wait = float(wait)
+    except (TypeError, ValueError):
+        yield _invalid(f"lock_wait must be a number of seconds, not {wait!r}")
+        return
+    held = lock.SyncLock(os.path.join(_state_dir(), lock.LOCK_NAME),
+                         globals().get("__jid__"), wait=wait)
+    try:
+        held.acquire()
+    except lock.Busy as exc:
+        yield _invalid(str(exc))
+        return
+    try:
+        yield None
+    finally:
+        held.release()
+
+
+def _sweep_grants():
+    """Revoke the expired pull grants of syncs that never revoked them (killed)."""
+    from salt_multimaster import grants  # pylint: disable=import-outside-toplevel
+
+    pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
+    for token in grants.expired(pull_dir, ttl=PULL_TTL):
+        log.info("multimaster: revoking the expired pull grant %s", token)
+        try:
+            _revoke(token)
+        except OSError as exc:
+            log.warning("multimaster: expired pull grant %s not revoked: %s", token, exc)
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
@@ -904,6 +999,12 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
                 ret[peer] = res
                 if primary["errors"]:
                     res.setdefault("primary_errors", primary["errors"])
+                if primary.get("damaged"):
+                    # the peer is no replica of what cannot be read here
+                    res["result"] = False
+                    res.setdefault("error", f"{len(primary['damaged'])} damaged or unreadable "
+                                   "source(s) on the primary, their copies on the peer kept: "
+                                   + "; ".join(primary["damaged"][:5]))
                 _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1
