@@ -211,6 +211,10 @@ def _primary_state(conf, categories, saved=None):
     started = time.monotonic()
     roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir,
                                               rescan=conf["rescan"])
+    if conf["rescan"] and "file_roots" in categories:
+        # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
+        # a file rewritten behind them is told the old hash and keeps its copy
+        manifest.forget_fileserver_hashes(__opts__["cachedir"])
     log.debug("multimaster: roots read in %.3f s", time.monotonic() - started)
     for cat in categories:
         started = time.monotonic()
@@ -859,9 +863,11 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
         saved snapshot), and read and hash every file_roots/pillar_roots
         file on both sides, ignoring the hash caches (like ``rsync -c``):
         finds a key or a file rewritten in place with the same size, inode
-        and mtime.  It reads every byte of the roots on every master, where
-        a plain sync only stats them: use it after a suspected edit behind
-        the cache, not on every run.
+        and mtime.  It also drops the primary fileserver's own hash cache
+        (``cachedir/roots/hash``), which trusts mtimes the same way.  It
+        reads every byte of the roots on every master, where a plain sync
+        only stats them: use it after a suspected edit behind the cache,
+        not on every run.
     lock_wait
         Seconds to wait for another sync of this primary to end (default
         ``multimaster:lock_wait``, 60).  One sync runs at a time per

@@ -328,6 +328,29 @@ def read_roots(opts, categories, state_dir, rescan=False):
     return mans, errors
 
 
+def forget_fileserver_hashes(cachedir):
+    """
+    Drop the hashes Salt's roots fileserver keeps in ``cachedir/roots/hash``
+    (``hash:mtime`` per file): like this module's hash cache, they trust an
+    unchanged mtime, and would keep serving the old hash of a file rewritten
+    behind it, which makes a minion keep its cached old copy.  Salt hashes
+    each file again when next asked.  The tree is renamed away first, so a
+    fileserver writing an entry meanwhile writes into the old tree.
+    """
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    path = os.path.join(cachedir, "roots", "hash")
+    if not os.path.isdir(path):
+        return False
+    gone = os.path.join(cachedir, "roots", f"{fsutil.TEMP_PREFIX}hash-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(path, gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
+
+
 def locate(roots, rel):
     """The path serving ``rel`` in a merged view, or None."""
     for root in roots:

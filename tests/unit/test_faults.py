@@ -232,3 +232,12 @@ def test_rescan_rehashes_a_file_rewritten_behind_the_stat_cache(tmp_path):
     # and the cache now holds the new hash
     after, _ = manifest.read_roots(opts, ["file_roots"], state)
     assert after == rescanned
+
+
+def test_forget_fileserver_hashes(tmp_path):
+    entry = tmp_path / "roots" / "hash" / "base" / "f.sls.hash.sha256"
+    entry.parent.mkdir(parents=True)
+    entry.write_text("abc:1.0")
+    assert manifest.forget_fileserver_hashes(str(tmp_path)) is True
+    assert os.listdir(tmp_path / "roots") == []
+    assert manifest.forget_fileserver_hashes(str(tmp_path)) is False
