@@ -899,6 +899,11 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, **kwar
             return _sync(peers, only, test, force, minion_ids, **kwargs)
         with _sync_lock(kwargs.pop("lock_wait", None)) as busy:
             if busy:
+                # per peer too: a caller checking each peer's result (the
+                # reactor's key_event retries a failed sync) sees the failure
+                for peer in _as_list(peers) or _as_list((__opts__.get("multimaster") or {})
+                                                        .get("peers")):
+                    busy.setdefault(peer, {"result": False, "error": busy["error"]})
                 return busy
             _sweep_grants()
             return _sync(peers, only, test, force, minion_ids, **kwargs)

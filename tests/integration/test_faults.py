@@ -211,6 +211,7 @@ def test_concurrent_syncs_do_the_work_once(cluster):
         refused = cluster.salt_run(cluster.primary, "multimaster.sync", ONLY, "lock_wait=0")
         assert refused.returncode != 0, refused
         assert refused.data["error"] == f"a sync is already running, jid {holder}", refused.data
+        assert refused.data[pm.id] == {"result": False, "error": refused.data["error"]}
         assert first.poll() is None, "the first sync ended too soon for this test"
         second = _start_sync(cluster, ONLY, "lock_wait=300")  # waits for the first
         code, data, out, err = _finish(first)

@@ -241,3 +241,70 @@ def test_forget_fileserver_hashes(tmp_path):
     assert manifest.forget_fileserver_hashes(str(tmp_path)) is True
     assert os.listdir(tmp_path / "roots") == []
     assert manifest.forget_fileserver_hashes(str(tmp_path)) is False
+
+
+# ----- the runner's use of them ----------------------------------------------
+def _runner(tmp_path):
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
+
+    spec = importlib.util.spec_from_file_location("mm_runner_faults", REPO / "_runners" / "multimaster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.__opts__ = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki"),
+                    "id": "primary_master", "hash_type": "sha256",
+                    "multimaster": {"peers": ["m02", "m03"]}}
+    mod.__context__ = {}
+    return mod
+
+
+def test_sync_refuses_while_another_sync_holds_the_lock(tmp_path):
+    runner = _runner(tmp_path)
+    state = tmp_path / "cache" / "multimaster"
+    state.mkdir(parents=True)
+    msg = "a sync is already running, jid 20261123220000000001"
+    with lock.SyncLock(str(state / "sync.lock"), "20261123220000000001"):
+        assert runner.sync(lock_wait=0) == {
+            "result": False, "error": msg, "retcode": 1,
+            "m02": {"result": False, "error": msg}, "m03": {"result": False, "error": msg},
+        }
+        assert runner.__context__["retcode"] == 1
+        bad = runner.sync(lock_wait="soon")
+        assert bad["error"] == "lock_wait must be a number of seconds, not 'soon'"
+
+
+def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
+    import salt.utils.jid  # pylint: disable=import-outside-toplevel
+
+    runner = _runner(tmp_path)
+    pull = tmp_path / "cache" / "multimaster" / "pull"
+    pull.mkdir(parents=True)
+    jid = "20261123220000000001"
+    job = salt.utils.jid.jid_dir(jid, str(tmp_path / "cache" / "jobs"), "sha256")
+    os.makedirs(job)
+    (pull / "aa11").write_text(json.dumps({"expires": time.time() - 1}))
+    (pull / "aa11.jids").write_text(jid + "\n")
+    (pull / "bb22").write_text(json.dumps({"expires": time.time() + 600}))
+    runner._sweep_grants()
+    assert sorted(os.listdir(pull)) == ["bb22"]
+    assert not os.path.exists(job)
+
+
+def test_plan_passes_damaged_sources_to_the_planners(tmp_path):
+    runner = _runner(tmp_path)
+    keys = {"minions": {"ok": A}}
+    primary = {"minion_keys": {"digest": manifest.digest_of_keys(keys), "previous": None,
+                               "snapshot": type("S", (), {"parts": manifest.split("minion_keys", keys)}),
+                               "damaged": {"minions": ["bad"]}}}
+    peer_keys = {"minions": {"ok": A, "bad": B}}
+    parts = manifest.split("minion_keys", peer_keys)
+    digest = manifest.bucket_digests(parts)
+    inv = {"minion_keys": {"digest": digest, "buckets": sorted(digest),
+                           "manifest": peer_keys, "history": ["ok", "bad"], "errors": []}}
+    ops, report = runner._plan({"topology": "shared"}, ["minion_keys"], primary, inv, True)
+    assert ops == {"minion_keys": []}
+    assert report["minion_keys"]["removed"] == []
+    assert report["minion_keys"]["errors"][0].startswith("minions/bad: damaged or unreadable")
+    assert runner._damaged_messages(primary, ["minion_keys"]) == [
+        "minion_keys minions/bad: damaged or unreadable on the primary"]
