@@ -202,14 +202,17 @@ def test_killed_sync_grants_and_their_job_cache_entries_go_once_expired(cluster)
 def test_concurrent_syncs_do_the_work_once(cluster):
     pm = cluster.peer_minions[0]
     lock = _state_dir(cluster.primary) / "sync.lock"
+    pull_dir = _state_dir(cluster.primary) / "pull"
+    pull_dir.mkdir(exist_ok=True)
+    before = set(os.listdir(pull_dir))
     _plant_bulk(cluster, "lck")
     first = _start_sync(cluster, ONLY)
     try:
-        assert wait_until(lambda: lock.exists() and len(lock.read_text().split()) == 2,
-                          deadline=120, step=0.05), "the first sync never took the lock"
-        holder = lock.read_text().split()[0]
+        # the first sync is applying once it granted the peer its pull
+        assert wait_until(lambda: set(os.listdir(pull_dir)) - before, deadline=120, step=0.05)
         refused = cluster.salt_run(cluster.primary, "multimaster.sync", ONLY, "lock_wait=0")
         assert refused.returncode != 0, refused
+        holder = lock.read_text().split()[0]
         assert refused.data["error"] == f"a sync is already running, jid {holder}", refused.data
         assert refused.data[pm.id] == {"result": False, "error": refused.data["error"]}
         assert first.poll() is None, "the first sync ended too soon for this test"
