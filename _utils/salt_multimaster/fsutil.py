@@ -105,7 +105,8 @@ class Batch:
     ``flock`` on ``<its dir>.lock`` while it lives: the kernel drops it when
     the process dies, which is how a stale batch is told from a live one.
     A destination on another filesystem is staged beside it, as without
-    ``stage_root``.
+    ``stage_root``, and that staging dir is named in the batch's journal
+    (``beside``) so that a cleanup removes it too.
     """
 
     def __init__(self, stage_root=None):
@@ -146,6 +147,11 @@ class Batch:
                 os.mkdir(stage, 0o700)
             else:
                 stage = tempfile.mkdtemp(dir=directory, prefix=STAGE_PREFIX)
+                if self.stage_root is not None:
+                    # named in this batch's journal: removed with it if it dies
+                    with open(os.path.join(self._home(), BESIDE_JOURNAL), "a",
+                              encoding="utf-8") as fh:
+                        fh.write(stage + "\n")
             self.stages[directory] = stage
         return stage
 
@@ -222,10 +228,26 @@ class Batch:
                 pass
         self.stages = {}
         if self.home is not None:
+            _remove_beside(self.home)
             shutil.rmtree(self.home, ignore_errors=True)
             _unlink(self.home + ".lock")
             os.close(self._lock_fd)
             self.home = self._lock_fd = None
+
+
+BESIDE_JOURNAL = "beside"
+
+
+def _remove_beside(home):
+    """Remove the staging dirs a batch made beside destinations (its journal in ``home``)."""
+    try:
+        with open(os.path.join(home, BESIDE_JOURNAL), encoding="utf-8") as fh:
+            paths = [line.rstrip("\n") for line in fh if line.strip()]
+    except OSError:
+        return
+    for path in paths:
+        if os.path.basename(path).startswith(STAGE_PREFIX) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def stat_mode(path):
@@ -260,6 +282,7 @@ def clean_stages(stage_root):
                 os.close(fd)
                 continue  # a live batch
         try:
+            _remove_beside(home)
             shutil.rmtree(home, ignore_errors=True)
             removed.append(home)
             if fd is not None:

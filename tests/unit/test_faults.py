@@ -308,3 +308,28 @@ def test_plan_passes_damaged_sources_to_the_planners(tmp_path):
     assert report["minion_keys"]["errors"][0].startswith("minions/bad: damaged or unreadable")
     assert runner._damaged_messages(primary, ["minion_keys"]) == [
         "minion_keys minions/bad: damaged or unreadable on the primary"]
+
+
+def _stage_beside_and_die(root, stage_root):
+    batch = fsutil.Batch(stage_root=stage_root)
+    batch._same_fs = lambda directory: False  # as for a root on another filesystem
+    batch.write(os.path.join(root, "x"), b"x")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_staging_beside_another_filesystem_is_journaled_and_cleaned(tmp_path):
+    root, stage_root = tmp_path / "root", tmp_path / "stage"
+    root.mkdir()
+    proc = multiprocessing.get_context("fork").Process(
+        target=_stage_beside_and_die, args=(str(root), str(stage_root)))
+    proc.start()
+    proc.join()
+    assert [n for n in os.listdir(root) if n.startswith(".mm-stage-")]
+    assert len(fsutil.clean_stages(str(stage_root))) == 1
+    assert os.listdir(root) == [] and os.listdir(stage_root) == []
+    # and a batch that lives cleans its own at commit
+    batch = fsutil.Batch(stage_root=str(stage_root))
+    batch._same_fs = lambda directory: False
+    batch.write(str(root / "y"), b"y")
+    batch.commit()
+    assert os.listdir(root) == ["y"] and os.listdir(stage_root) == []
