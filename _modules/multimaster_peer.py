@@ -160,7 +160,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     cut in buckets; only the buckets whose digest differs from the primary's
     (``digests``) are returned: an unchanged peer answers with digests only,
     a peer one key behind with one bucket.  Key dirs unchanged since the
-    last inventory are not listed again unless ``rescan``.
+    last inventory are not listed again, and files unchanged in size,
+    inode and mtime are not read again, unless ``rescan``.
 
     CLI Example:
 
@@ -196,7 +197,7 @@ def _inventory(categories, digests, topology, config_keys, test, rescan):
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir)
+    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir, rescan=rescan)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = _master_key_files(mopts, topology)
@@ -265,7 +266,13 @@ class _Applier:
         self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
         self.backed_up = False
         self._minion_key = None
-        self.batch = fsutil.Batch()
+        # staged outside the roots and key dirs (nothing half-synced is ever
+        # served), where a batch killed before its commit is found and
+        # removed by the next one
+        stage_root = os.path.join(mopts["cachedir"], "multimaster", "stage")
+        for stale in fsutil.clean_stages(stage_root):
+            log.info("multimaster: removed %s, left by a sync that died", stale)
+        self.batch = fsutil.Batch(stage_root=stage_root)
         self.puller = None
         self.written = []
         # directories this sync resolved or created: a sync of 20,000 keys

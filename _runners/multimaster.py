@@ -271,7 +271,12 @@ def _primary_state(conf, categories, saved=None):
     saved = saved or {}
     errors, state = [], {}
     started = time.monotonic()
-    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir)
+    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir,
+                                              rescan=conf["rescan"])
+    if conf["rescan"] and "file_roots" in categories:
+        # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
+        # a file rewritten behind them is told the old hash and keeps its copy
+        manifest.forget_fileserver_hashes(__opts__["cachedir"])
     log.debug("multimaster: roots read in %.3f s", time.monotonic() - started)
     for cat in categories:
         started = time.monotonic()
@@ -280,7 +285,7 @@ def _primary_state(conf, categories, saved=None):
             snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir, rescan=conf["rescan"])
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
-                          "previous": snap.previous_parts()}
+                          "previous": snap.previous_parts(), "damaged": snap.damaged}
         elif cat in roots:
             man = roots[cat]
             errors.extend(roots_errors[cat])
@@ -290,7 +295,8 @@ def _primary_state(conf, categories, saved=None):
             digest = manifest.bucket_digests(replicate.safe_parts(parts))
             last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
             state[cat] = {"manifest": man, "parts": parts, "digest": digest,
-                          "previous": (last.digest, last.parts) if last.digest else None}
+                          "previous": (last.digest, last.parts) if last.digest else None,
+                          "damaged": manifest.damaged_sources(roots_errors[cat])}
             last.save(replicate.safe_tree(man), digest)
         elif cat == "master_keys":
             pem, pub = _primary_master_key_files(conf["topology"])
@@ -301,8 +307,23 @@ def _primary_state(conf, categories, saved=None):
         elif cat == "master_config":
             state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
         log.debug("multimaster: %s read in %.3f s", cat, time.monotonic() - started)
-    state["errors"] = errors
+    state["errors"] = [str(e) for e in errors]
+    state["damaged"] = _damaged_messages(state, categories)
     return state
+
+
+def _damaged_messages(state, categories):
+    """
+    One line per key or roots file that exists on the primary but cannot be
+    read or used: the peer's copy is kept, and the sync fails for it.
+    """
+    lines = []
+    for cat in categories:
+        for where, names in sorted(((state.get(cat) or {}).get("damaged") or {}).items()):
+            for name in sorted(names):
+                sep = "/" if cat == "minion_keys" else ":"
+                lines.append(f"{cat} {where}{sep}{name}: damaged or unreadable on the primary")
+    return lines
 
 
 def _sha(path):
@@ -533,11 +554,13 @@ def _plan(conf, categories, primary, inv, force):
 
             need, peer_man, history = _peer_buckets(cat, primary, theirs)
             mine = manifest.merge(_parts(primary[cat]), need) if need else {}
+            damaged = primary[cat].get("damaged")
             if cat == "minion_keys":
-                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force)
+                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force, damaged=damaged)
             else:
                 cat_ops, rep = replicate.plan_tree(
-                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"])
+                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"],
+                    damaged=damaged)
         elif cat == "master_keys":
             cat_ops, rep = replicate.plan_master_keys(
                 primary[cat]["manifest"], theirs, conf["topology"])
@@ -956,9 +979,16 @@ def _sync_ids(conf, peers, ids, test, force):
                 with open(path, encoding="utf-8") as fh:
                     data = fh.read()
             except (OSError, UnicodeDecodeError) as exc:
-                errors.append(f"{key_state}/{mid}: unreadable: {exc}")
+                errors.append(manifest.Damaged(f"{key_state}/{mid}: unreadable: {exc}", mid,
+                                               key_state))
                 continue
             keys[mid][key_state] = {"sha256": manifest.key_sha(data.encode()), "data": data}
+    # a key that exists here but cannot be read is not a deletion: its id is
+    # left out, and the peer keeps what it holds
+    damaged = sorted({mid for names in manifest.damaged_sources(errors).values() for mid in names})
+    for mid in damaged:
+        keys.pop(mid, None)
+    errors = [str(e) for e in errors]
     if protocol.payload_size(keys) > conf["inline_limit"]:
         return None  # too large to publish, even sealed: a full minion_keys sync
     rets = _publish(peers, "multimaster_peer.mirror_keys",
@@ -981,6 +1011,9 @@ def _sync_ids(conf, peers, ids, test, force):
             ret[peer]["backup"] = backup
         if errors:
             ret[peer]["primary_errors"] = errors
+        if damaged:
+            ret[peer]["error"] = ("damaged or unreadable on the primary, the peer's copy kept: "
+                                  + ", ".join(damaged))
         _verdict(peer, ret[peer], ["minion_keys"])
     return ret
 
@@ -1022,7 +1055,21 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
     rescan
         List and stat every key dir on the primary and the peers, even those
         unchanged since the last sync (which a sync otherwise takes from its
-        saved snapshot): finds a key file rewritten in place.
+        saved snapshot), and read and hash every file_roots/pillar_roots
+        file on both sides, ignoring the hash caches (like ``rsync -c``):
+        finds a key or a file rewritten in place with the same size, inode
+        and mtime.  It also drops the primary fileserver's own hash cache
+        (``cachedir/roots/hash``), which trusts mtimes the same way.  It
+        reads every byte of the roots on every master, where a plain sync
+        only stats them: use it after a suspected edit behind the cache,
+        not on every run.
+    lock_wait
+        Seconds to wait for another sync of this primary to end (default
+        ``multimaster:lock_wait``, 60).  One sync runs at a time per
+        primary (a lock in ``cachedir/multimaster/sync.lock``): a second
+        one waits, then does only what is left; past ``lock_wait`` it
+        changes nothing, returns ``a sync is already running, jid ...``
+        and ``salt-run`` exits non-zero.  ``test=True`` takes no lock.
 
     verbose
         In the compact report (``salt-run`` without ``--out``), list every
@@ -1052,13 +1099,80 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
     with _job_record("multimaster.sync", __opts__.get("id"),
                      jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                                minion_ids=minion_ids, **kwargs)):
-        ret = _sync(peers, only, test, force, minion_ids, **kwargs)
+        ret = _locked_sync(peers, only, test, force, minion_ids, **kwargs)
     if _compact("multimaster.sync"):
         from salt_multimaster import report  # pylint: disable=import-outside-toplevel
 
         return {"outputter": "txt",
                 "data": report.sync_rows(ret, _truthy(test), _truthy(verbose))}
     return ret
+
+
+def _locked_sync(peers, only, test, force, minion_ids, **kwargs):
+    """:func:`_sync` under this primary's sync lock (no lock in test mode)."""
+    if str(test).lower() in ("true", "1", "yes"):
+        return _sync(peers, only, test, force, minion_ids, **kwargs)
+    with _sync_lock(kwargs.pop("lock_wait", None)) as busy:
+        if busy:
+            # per peer too: a caller checking each peer's result (the
+            # reactor's key_event retries a failed sync) sees the failure
+            conf = __opts__.get("multimaster")
+            for peer in _as_list(peers) or _as_list(
+                    conf.get("peers") if isinstance(conf, dict) else None):
+                busy.setdefault(peer, {"result": False, "error": busy["error"]})
+            return busy
+        _sweep_grants()
+        return _sync(peers, only, test, force, minion_ids, **kwargs)
+
+
+# A sync waits this long for another sync of this primary to end, then gives up.
+LOCK_WAIT = 60
+
+
+@contextlib.contextmanager
+def _sync_lock(wait=None):
+    """
+    Hold this primary's sync lock (``salt_multimaster.lock``) for the block;
+    yield None, or the failed return naming the running sync's jid when it
+    did not end within ``wait`` seconds (``lock_wait=``, else
+    ``multimaster:lock_wait``, default 60).
+    """
+    from salt_multimaster import lock  # pylint: disable=import-outside-toplevel
+
+    if wait is None:
+        conf = __opts__.get("multimaster")
+        wait = conf.get("lock_wait", LOCK_WAIT) if isinstance(conf, dict) else LOCK_WAIT
+    try:
+        wait = float(wait)
+        if not 0 <= wait <= 86400:
+            raise ValueError(wait)
+    except (TypeError, ValueError):
+        yield _invalid(f"lock_wait must be a number of seconds (0 to 86400), not {wait!r}")
+        return
+    held = lock.SyncLock(os.path.join(_state_dir(), lock.LOCK_NAME),
+                         globals().get("__jid__"), wait=wait)
+    try:
+        held.acquire()
+    except lock.Busy as exc:
+        yield _invalid(str(exc))
+        return
+    try:
+        yield None
+    finally:
+        held.release()
+
+
+def _sweep_grants():
+    """Revoke the expired pull grants of syncs that never revoked them (killed)."""
+    from salt_multimaster import grants  # pylint: disable=import-outside-toplevel
+
+    pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
+    for token in grants.expired(pull_dir, ttl=PULL_TTL):
+        log.info("multimaster: revoking the expired pull grant %s", token)
+        try:
+            _revoke(token)
+        except OSError as exc:
+            log.warning("multimaster: expired pull grant %s not revoked: %s", token, exc)
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
@@ -1120,6 +1234,12 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
                 ret[peer] = res
                 if primary["errors"]:
                     res.setdefault("primary_errors", primary["errors"])
+                if primary.get("damaged"):
+                    # the peer is no replica of what cannot be read here
+                    res["result"] = False
+                    res.setdefault("error", f"{len(primary['damaged'])} damaged or unreadable "
+                                   "source(s) on the primary, their copies on the peer kept: "
+                                   + "; ".join(primary["damaged"][:5]))
                 _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1

@@ -7,7 +7,9 @@ written file.
 """
 
 import errno
+import fcntl
 import os
+import secrets
 import shutil
 import stat
 import tempfile
@@ -139,19 +141,73 @@ class Batch:
     file, and a crash before the renames leaves every destination as it
     was.  Per-file fsync costs a disk flush per file; a sync of 20,000 keys
     would spend minutes on it.
+
+    ``stage_root`` (a directory outside every served tree, such as
+    ``<master cachedir>/multimaster/stage``): stage there instead, in a
+    directory of this batch (``.mm-stage-<random>``) with one small
+    subdirectory per destination directory, whenever the destination is on
+    the same filesystem; a batch killed before its commit then leaves
+    nothing where Salt serves or reads keys, and :func:`clean_stages`
+    removes what it left at the next batch.  The batch holds an exclusive
+    ``flock`` on ``<its dir>.lock`` while it lives: the kernel drops it when
+    the process dies, which is how a stale batch is told from a live one.
+    A destination on another filesystem is staged beside it, as without
+    ``stage_root``, and that staging dir is named in the batch's journal
+    (``beside``) so that a cleanup removes it too.
     """
 
-    def __init__(self):
+    def __init__(self, stage_root=None):
         self.staged = []
         self.removals = []
         self.stages = {}
+        self.stage_root = stage_root
+        self.home = None
+        self._lock_fd = None
+        self._root_dev = None
+
+    def _home(self):
+        """This batch's directory in ``stage_root``, created and locked on first use."""
+        if self.home is None:
+            makedirs(self.stage_root, mode=KEY_DIR_MODE)
+            while True:
+                home = os.path.join(self.stage_root, STAGE_PREFIX + secrets.token_hex(8))
+                fd = os.open(home + ".lock", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.fstat(fd).st_ino == os.stat(home + ".lock").st_ino
+                except FileNotFoundError:
+                    same = False  # taken for stale and removed by a cleanup: again
+                if same:
+                    break
+                os.close(fd)
+            os.mkdir(home, 0o700)
+            self.home, self._lock_fd = home, fd
+            self._root_dev = os.stat(home).st_dev
+        return self.home
 
     def _stage_dir(self, directory):
         stage = self.stages.get(directory)
         if stage is None:
-            stage = tempfile.mkdtemp(dir=directory, prefix=STAGE_PREFIX)
+            if self.stage_root is not None and self._same_fs(directory):
+                stage = os.path.join(self._home(), str(len(self.stages)))
+                os.mkdir(stage, 0o700)
+            else:
+                stage = tempfile.mkdtemp(dir=directory, prefix=STAGE_PREFIX)
+                if self.stage_root is not None:
+                    # named in this batch's journal: removed with it if it dies
+                    with open(os.path.join(self._home(), BESIDE_JOURNAL), "a",
+                              encoding="utf-8") as fh:
+                        fh.write(stage + "\n")
             self.stages[directory] = stage
         return stage
+
+    def _same_fs(self, directory):
+        self._home()
+        try:
+            return os.stat(directory).st_dev == self._root_dev
+        except OSError:
+            return False
 
     def write(self, path, data, mode=0o644):
         if isinstance(data, str):
@@ -183,7 +239,15 @@ class Batch:
             if self.staged:
                 os.sync()
             for tmp, path in self.staged:
-                os.rename(tmp, path)
+                try:
+                    os.rename(tmp, path)
+                except OSError as exc:
+                    if exc.errno != errno.EXDEV:
+                        raise
+                    # same filesystem, another mount (a bind mount): copy
+                    with open(tmp, "rb") as fh:
+                        atomic_write(path, fh.read(), mode=stat_mode(tmp))
+                    _unlink(tmp)
                 done += 1
                 dirs.add(os.path.dirname(path))
             # right after the renames: a key moved from minions_pre to
@@ -211,6 +275,86 @@ class Batch:
             except OSError:
                 pass
         self.stages = {}
+        if self.home is not None:
+            _remove_beside(self.home)
+            shutil.rmtree(self.home, ignore_errors=True)
+            _unlink(self.home + ".lock")
+            os.close(self._lock_fd)
+            self.home = self._lock_fd = None
+
+
+BESIDE_JOURNAL = "beside"
+
+
+def _remove_beside(home):
+    """Remove the staging dirs a batch made beside destinations (its journal in ``home``)."""
+    try:
+        with open(os.path.join(home, BESIDE_JOURNAL), encoding="utf-8") as fh:
+            paths = [line.rstrip("\n") for line in fh if line.strip()]
+    except OSError:
+        return
+    for path in paths:
+        if os.path.basename(path).startswith(STAGE_PREFIX) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def stat_mode(path):
+    """The permission bits of ``path``."""
+    return os.stat(path).st_mode & 0o7777
+
+
+def clean_stages(stage_root):
+    """
+    Remove what batches that died (their process killed before the commit)
+    left in ``stage_root``: each ``.mm-stage-*`` directory whose ``.lock``
+    no live batch holds.  Return the directories removed.
+    """
+    try:
+        names = os.listdir(stage_root)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in sorted(names):
+        if not name.startswith(STAGE_PREFIX) or name.endswith(".lock"):
+            continue
+        home = os.path.join(stage_root, name)
+        lock = home + ".lock"
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = None  # no lock: its batch is gone (or never locked it)
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue  # a live batch
+        try:
+            _remove_beside(home)
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(home)
+            if fd is not None:
+                _unlink(lock)
+        finally:
+            if fd is not None:
+                os.close(fd)
+    # a lock whose batch died before making its directory
+    for name in names:
+        if name.startswith(STAGE_PREFIX) and name.endswith(".lock") \
+                and name[: -len(".lock")] not in names:
+            lock = os.path.join(stage_root, name)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _unlink(lock)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return removed
 
 
 def _unlink(path):

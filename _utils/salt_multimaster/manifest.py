@@ -27,6 +27,22 @@ KEYS_SNAPSHOT = "keys-snapshot.json"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
 
+class Damaged(str):
+    """
+    An error about a source that exists but cannot be used (unreadable, or
+    not a key): a plain message that also names the item, so a sync keeps
+    the peer's copy of it instead of reading it as deleted.  ``name``: the
+    minion id, or the path relative to its saltenv (for a directory, with a
+    trailing ``/``; ``"/"`` for a whole root); ``where``: the key state or
+    the saltenv (set by :func:`roots_manifest`).
+    """
+
+    def __new__(cls, message, name, where=None):
+        obj = super().__new__(cls, message)
+        obj.name, obj.where = name, where
+        return obj
+
+
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -115,13 +131,17 @@ class HashCache:
     ``path -> [inode, size, mtime_ns, sha256]`` persisted as JSON.
 
     ``hashed`` counts the files actually read, for tests and benchmarks.
+    ``rehash``: ignore the cached hashes and read every file again (a file
+    rewritten with the same size, inode and mtime is found; every byte is
+    read).
     """
 
-    def __init__(self, path=None):
+    def __init__(self, path=None, rehash=False):
         self.path = path
         self.entries = {}
         self.dirty = False
         self.hashed = 0
+        self.rehash = rehash
         if path and os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as fh:
@@ -132,12 +152,13 @@ class HashCache:
     def sha256(self, path, st, hasher=sha256_file):
         key = [st.st_ino, st.st_size, st.st_mtime_ns]
         entry = self.entries.get(path)
-        if entry and entry[:3] == key:
+        if entry and entry[:3] == key and not self.rehash:
             return entry[3]
         value = hasher(path)
         self.hashed += 1
-        self.entries[path] = key + [value]
-        self.dirty = True
+        if entry != key + [value]:
+            self.entries[path] = key + [value]
+            self.dirty = True
         return value
 
     def save(self, keep=None):
@@ -212,7 +233,8 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
             try:
                 entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
             except OSError as exc:
-                errors.append(f"{root}: {rel_dir or '.'}: {exc.strerror}")
+                errors.append(Damaged(f"{root}: {rel_dir or '.'}: {exc.strerror}",
+                                      f"{rel_dir}/" if rel_dir else "/"))
                 continue
             subdirs = []
             for entry in entries:
@@ -238,15 +260,18 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
                     continue
                 try:
                     st = entry.stat()
-                except OSError as exc:
+                except FileNotFoundError as exc:
                     errors.append(f"{root}: {rel}: {exc.strerror}")
+                    continue
+                except OSError as exc:
+                    errors.append(Damaged(f"{root}: {rel}: {exc.strerror}", rel))
                     continue
                 if not stat.S_ISREG(st.st_mode):
                     continue
                 try:
                     sha = cache.sha256(real, st)
                 except OSError as exc:
-                    errors.append(f"{root}: {rel}: unreadable: {exc.strerror}")
+                    errors.append(Damaged(f"{root}: {rel}: unreadable: {exc.strerror}", rel))
                     continue
                 if seen is not None:
                     seen.append(real)
@@ -257,23 +282,43 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
 
 def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None):
     """``{saltenv: tree_manifest}`` for a ``file_roots``/``pillar_roots`` mapping."""
-    return {
-        env: tree_manifest(roots, ignore, cache, seen=seen, errors=errors)
-        for env, roots in sorted((roots_by_env or {}).items())
-    }
+    ret = {}
+    for env, roots in sorted((roots_by_env or {}).items()):
+        found = []
+        ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found)
+        for error in found:
+            if isinstance(error, Damaged):
+                error.where = env
+        if errors is not None:
+            errors.extend(found)
+    return ret
 
 
-def read_roots(opts, categories, state_dir):
+def damaged_sources(errors):
+    """
+    ``{where: [name]}`` of the :class:`Damaged` among ``errors``: the key
+    states or saltenvs, and the items there a sync must not remove.
+    """
+    ret = {}
+    for error in errors or ():
+        if isinstance(error, Damaged):
+            ret.setdefault(error.where, []).append(error.name)
+    return ret
+
+
+def read_roots(opts, categories, state_dir, rescan=False):
     """
     ``({category: roots_manifest}, {category: errors})`` of the
     ``file_roots``/``pillar_roots`` among ``categories``, through the roots
     hash cache in ``state_dir`` (entries of files no longer served dropped
-    when both were read).
+    when both were read).  ``rescan``: hash every file again, whatever the
+    cache says (like ``rsync -c``).
     """
     cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
     if not cats:
         return {}, {}
     cache = open_hashcache(state_dir, ROOTS_HASHCACHE)
+    cache.rehash = bool(rescan)
     seen, mans, errors = [], {}, {}
     for cat in cats:
         errors[cat] = []
@@ -281,6 +326,29 @@ def read_roots(opts, categories, state_dir):
                                    errors=errors[cat])
     cache.save(keep=seen if len(cats) == 2 else None)
     return mans, errors
+
+
+def forget_fileserver_hashes(cachedir):
+    """
+    Drop the hashes Salt's roots fileserver keeps in ``cachedir/roots/hash``
+    (``hash:mtime`` per file): like this module's hash cache, they trust an
+    unchanged mtime, and would keep serving the old hash of a file rewritten
+    behind it, which makes a minion keep its cached old copy.  Salt hashes
+    each file again when next asked.  The tree is renamed away first, so a
+    fileserver writing an entry meanwhile writes into the old tree.
+    """
+    import shutil  # pylint: disable=import-outside-toplevel
+
+    path = os.path.join(cachedir, "roots", "hash")
+    if not os.path.isdir(path):
+        return False
+    gone = os.path.join(cachedir, "roots", f"{fsutil.TEMP_PREFIX}hash-{os.getpid()}-{time.time_ns()}")
+    try:
+        os.rename(path, gone)
+    except OSError:
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def locate(roots, rel):
@@ -363,12 +431,12 @@ def _key_entry(state, name, full, cache, errors, entry=None):
                            else _pem_key_sha_file)
     except _NotPem:
         cache.hashed += 1  # read, like a key hashed
-        errors.append(f"{state}/{name}: not a PEM public key, skipped")
+        errors.append(Damaged(f"{state}/{name}: not a PEM public key, skipped", name, state))
         return None
     except FileNotFoundError:
         return None
     except OSError as exc:
-        errors.append(f"{state}/{name}: unreadable: {exc.strerror}")
+        errors.append(Damaged(f"{state}/{name}: unreadable: {exc.strerror}", name, state))
         return None
     return sha
 
@@ -494,7 +562,8 @@ class KeysSnapshot:
         stamps = self._stamps()
         meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
-                     and all(isinstance(meta.get(k), dict) for k in ("errors", "digest", "counts"))
+                     and all(isinstance(meta.get(k), dict)
+                             for k in ("errors", "digest", "counts", "damaged"))
                      else {})
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
@@ -504,6 +573,8 @@ class KeysSnapshot:
             self.digest = self.meta["digest"]
             self.counts = self.meta["counts"]
             self.errors = [e for state in KEY_STATES for e in self.meta["errors"][state]]
+            self.damaged = {state: list(self.meta["damaged"].get(state) or [])
+                            for state in KEY_STATES if self.meta["damaged"].get(state)}
         else:
             self._scan(stamps, unchanged)
 
@@ -555,15 +626,19 @@ class KeysSnapshot:
                 state: {mid: e[3] for mid, e in keys.items()} for state, keys in previous.items()
             })).get)
         written = _Lazy(lambda: open_hashcache(self.state_dir, KEYS_HASHCACHE))
-        errors, entries = {}, {}
+        errors, entries, damaged = {}, {}, {}
         for state in KEY_STATES:
             if state in unchanged and state in previous:
                 entries[state] = previous[state]
                 errors[state] = list(self.meta["errors"][state])
+                damaged[state] = list(self.meta["damaged"].get(state) or [])
             else:
                 errors[state] = []
                 entries[state] = _list_key_dir(self.pki_dir, state, previous.get(state) or {},
                                                written.get, errors[state])
+                damaged[state] = damaged_sources(errors[state]).get(state, [])
+        # keys that exist but cannot be used: never read as deleted
+        self.damaged = {state: ids for state, ids in damaged.items() if ids}
         self.hashed = written.value.hashed if written.value is not None else 0
         man = {state: {mid: entry[3] for mid, entry in keys.items()}
                for state, keys in entries.items()}
@@ -574,7 +649,8 @@ class KeysSnapshot:
         if self._stamps() != stamps:
             return  # a key dir changed while it was listed: list it again next time
         self.meta = {"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
-                     "digest": self.digest, "counts": self.counts, "errors": errors}
+                     "digest": self.digest, "counts": self.counts, "errors": errors,
+                     "damaged": damaged}
         fsutil.makedirs(self.state_dir, mode=0o700)
         fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600)
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)

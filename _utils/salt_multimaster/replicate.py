@@ -68,7 +68,7 @@ def empty_report():
     return {"added": [], "updated": [], "removed": [], "conflicts": [], "errors": []}
 
 
-def plan_keys(primary, peer, history, force=False):
+def plan_keys(primary, peer, history, force=False, damaged=None):
     """
     ``primary``/``peer``: ``{state_dir: {minion_id: sha256}}``; ``history``:
     ids this peer received from the primary before.
@@ -77,6 +77,10 @@ def plan_keys(primary, peer, history, force=False):
     unless ``force``); a key only on the peer and never received from the
     primary is a conflict too (kept unless ``force``); a key the primary
     deleted or moved is removed from its old state on the peer.
+
+    ``damaged``: ``{state_dir: [minion_id]}`` of keys the primary holds
+    but cannot read or use; these ids are never removed from the peer (even
+    with ``force``): each is an error instead.
     """
     report = empty_report()
     ops = []
@@ -107,12 +111,19 @@ def plan_keys(primary, peer, history, force=False):
                 continue
             ops.append({"op": WRITE, "state": state, "id": mid, "sha256": sha})
             report["updated" if state in have else "added"].append(f"{state}/{mid}")
+    damaged_ids = {mid for ids in (damaged or {}).values() for mid in ids}
     for mid in sorted(peer_ids):
         if mid in blocked:
             continue
         want = primary_ids.get(mid, {})
         for state in sorted(peer_ids[mid]):
             if state in want:
+                continue
+            if mid in damaged_ids:
+                report["errors"].append(
+                    f"{state}/{mid}: damaged or unreadable on the primary: the peer's copy "
+                    "is kept (repair the key on the primary)"
+                )
                 continue
             if want or mid in history or force:
                 ops.append({"op": REMOVE, "state": state, "id": mid})
@@ -126,7 +137,7 @@ def plan_keys(primary, peer, history, force=False):
     return ops, report
 
 
-def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
+def plan_tree(primary, peer, peer_envs=None, primary_envs=None, damaged=None):
     """
     ``primary``/``peer``: ``{saltenv: {rel: [size, mode, sha256]}}``.
     Files missing or different on the peer are written; files the primary
@@ -134,7 +145,9 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
     (``peer_envs``, default: the saltenvs of ``peer``) is an error for that
     saltenv.  Files are removed only from the saltenvs the primary serves
     (``primary_envs``, default: the saltenvs of ``primary``), so partial
-    manifests (one bucket) can be planned.
+    manifests (one bucket) can be planned.  ``damaged``: ``{saltenv:
+    [rel]}`` of files (``rel/`` for directories) the primary holds but
+    cannot read: never removed from the peer, each an error instead.
 
     A file is written with its mode less setuid, setgid, sticky and write
     for others (:func:`fsutil.safe_mode`): the peer is compared with that
@@ -165,6 +178,10 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None):
     for env in sorted(set(peer) & primary_envs):
         mine = primary.get(env, {})
         for rel in sorted(set(peer[env]) - set(mine)):
+            if _damaged_in(rel, (damaged or {}).get(env)):
+                report["errors"].append(
+                    f"{env}:{rel}: unreadable on the primary: the peer's copy is kept")
+                continue
             ops.append({"op": REMOVE, "env": env, "rel": rel})
             report["removed"].append(f"{env}:{rel}")
     if warnings:
@@ -194,6 +211,14 @@ def safe_tree(man):
 def safe_parts(parts):
     """:func:`safe_tree` of each bucket part (``{bucket: part}``)."""
     return {bucket: safe_tree(part) for bucket, part in parts.items()}
+
+
+def _damaged_in(rel, names):
+    """Whether ``rel`` is, or lies under, one of the damaged ``names`` of a saltenv."""
+    for name in names or ():
+        if name == "/" or rel == name or (name.endswith("/") and rel.startswith(name)):
+            return True
+    return False
 
 
 def plan_master_keys(primary, peer, topology):
