@@ -271,7 +271,7 @@ def test_sync_refuses_while_another_sync_holds_the_lock(tmp_path):
         }
         assert runner.__context__["retcode"] == 1
         bad = runner.sync(lock_wait="soon")
-        assert bad["error"] == "lock_wait must be a number of seconds, not 'soon'"
+        assert bad["error"] == "lock_wait must be a number of seconds (0 to 86400), not 'soon'"
 
 
 def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
