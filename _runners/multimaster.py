@@ -1298,6 +1298,10 @@ def restore(peer=None, backup=None, test=False, **kwargs):
     if not got.get("result"):
         __context__["retcode"] = 1
         ret["retcode"] = 1
+    if _compact("multimaster.restore"):
+        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
+
+        return {"outputter": "txt", "data": report.restore_rows(ret, test)}
     return ret
 
 

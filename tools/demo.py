@@ -125,14 +125,61 @@ def audit_and_formula(cluster, primary, peer):
     table(primary)
 
 
+def plain(master, *args, cli="salt-run"):
+    """A Salt CLI as an operator types it (no --out): its default output."""
+    exe = os.path.join(os.path.dirname(sys.executable), cli)
+    ret = subprocess.run([exe, "-c", str(master.config_dir), *args],
+                         capture_output=True, text=True, check=False, timeout=300)
+    print(f"    $ {cli} {' '.join(args)}")
+    print(textwrap.indent(ret.stdout.rstrip() or ret.stderr.rstrip(), "      "))
+    print(f"    exit code {ret.returncode}", flush=True)
+    return ret
+
+
 def table(master):
     """``salt-run multimaster.audit`` as an operator sees it: its compact table."""
-    salt_run = os.path.join(os.path.dirname(sys.executable), "salt-run")
-    ret = subprocess.run([salt_run, "-c", str(master.config_dir), "multimaster.audit"],
-                         capture_output=True, text=True, check=False, timeout=300)
-    print("    $ salt-run multimaster.audit")
-    print(textwrap.indent(ret.stdout.rstrip() or ret.stderr.rstrip(), "      "))
-    print(f"    exit code {ret.returncode}")
+    plain(master, "multimaster.audit")
+
+
+def operators_day(cluster, primary, peer, peer_minion):
+    """A changed file, a conflict, the reactor, a rollback: what an operator meets."""
+    from tests.support.cluster import gen_keypair, wait_until  # pylint: disable=import-outside-toplevel
+
+    motd = cluster.file_root(primary) / "motd.sls"
+    old = motd.read_text()
+    say("An operator edits a state on the primary; the sync replicates that one change:")
+    motd.write_text("motd:\n  test.succeed_with_changes\n")
+    plain(primary, "multimaster.sync")
+
+    say("The motd edit was a mistake: roll the peer back from its backup (test=True "
+        "first), then fix the primary and sync.")
+    plain(primary, "multimaster.restore", f"peer={peer_minion.id}", "test=True")
+    plain(primary, "multimaster.restore", f"peer={peer_minion.id}")
+    print("    the peer's motd.sls is the old one again: "
+          f"{(cluster.file_root(peer) / 'motd.sls').read_text() == old}")
+    motd.write_text(old)
+    plain(primary, "multimaster.sync")
+
+    say("Someone accepted another key for demo-minion1 by hand on the peer: the sync "
+        "reports the conflict, leaves the peer's key alone and exits non-zero (a cron job "
+        "alerts); force=True makes the peer mirror the primary.")
+    stray = cluster.pki_dir(peer) / "minions" / "demo-minion1"
+    good = stray.read_bytes()
+    stray.unlink()  # as salt-key -d, then -a of another key, would
+    stray.write_bytes(gen_keypair(1024)[1])
+    plain(primary, "multimaster.sync", "only=minion_keys")
+    plain(primary, "multimaster.sync", "only=minion_keys", "force=True")
+    print(f"    the peer holds the primary's key again: {stray.read_bytes() == good}")
+
+    say("The reactor (salt.multimaster.master) carries a salt-key -a on the primary to "
+        "the peer by itself:")
+    pre = cluster.pki_dir(primary) / "minions_pre"
+    pre.mkdir(exist_ok=True)
+    (pre / "demo-new1").write_bytes(gen_keypair(1024)[1])
+    plain(primary, "-a", "demo-new1", "-y", cli="salt-key")
+    arrived = wait_until(
+        lambda: (cluster.pki_dir(peer) / "minions" / "demo-new1").exists(), deadline=60)
+    print(f"    demo-new1 accepted on the peer: {arrived}")
 
 
 def main():
@@ -173,6 +220,9 @@ def main():
             from salt_multimaster import protocol
             dropin.write_text(f"multimaster:\n  peers: [{peer_minion.id}]\n"
                               + protocol.peer_run_snippet([peer_minion.id]) + "\n")
+            # what salt.multimaster.master writes: the salt/key reactor
+            (dropin.parent / "multimaster-reactor.conf").write_text(
+                "reactor:\n- salt/key:\n  - salt://salt/multimaster/reactor/key.sls\n")
             (cluster.file_root(primary) / "motd.sls").write_text(
                 "motd:\n  test.succeed_without_changes\n")
             (cluster.file_root(primary, kind="pillar_roots") / "top.sls").write_text(
@@ -195,12 +245,10 @@ def main():
             print(f"    {len(ok)} of 3 minions answer the peer.")
 
             say("What the peer lacks, without changing anything:")
-            show("salt-run multimaster.status", cluster.salt_run(primary, "multimaster.status"))
+            plain(primary, "multimaster.status")
 
             say("Replicating from the primary:")
-            ret = cluster.salt_run(primary, "multimaster.sync")
-            show("salt-run multimaster.sync", ret)
-            print(f"    exit code {ret.returncode}")
+            plain(primary, "multimaster.sync")
 
             say("The peer needs a restart to load the master keys (no service manager "
                 "in this sandbox, so the sync said restart_required and exited non-zero, "
@@ -213,7 +261,9 @@ def main():
             print(f"    {len(ok)} of 3 minions answer the peer.")
 
             say("A second sync has nothing to do:")
-            show("salt-run multimaster.sync", cluster.salt_run(primary, "multimaster.sync"))
+            plain(primary, "multimaster.sync")
+
+            operators_day(cluster, primary, peer, peer_minion)
 
             audit_and_formula(cluster, primary, peer)
 

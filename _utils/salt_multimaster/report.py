@@ -113,10 +113,11 @@ def status_rows(ret, verbose=False):  # pylint: disable=unused-argument
                      f"({finger.get('peer')})")
         keys = res.get("minion_keys") or {}
         if keys:
-            lines.append("  minion keys    primary "
-                         + ", ".join(f"{s} {n}" for s, n in sorted((keys.get('primary') or {}).items()))
-                         + "; peer "
-                         + ", ".join(f"{s} {n}" for s, n in sorted((keys.get('peer') or {}).items())))
+            def counts(side):
+                held = {s: n for s, n in sorted((keys.get(side) or {}).items()) if n}
+                return ", ".join(f"{s} {n}" for s, n in held.items()) or "none"
+
+            lines.append(f"  minion keys    primary {counts('primary')}; peer {counts('peer')}")
         if res.get("master_running") is False or res.get("error"):
             lines.append(f"  error: {res.get('error')}")
         if res.get("restart_pending"):
@@ -124,6 +125,28 @@ def status_rows(ret, verbose=False):  # pylint: disable=unused-argument
         if not res.get("pull_allowed"):
             lines.append("  pull channel NOT allowed (bulk syncs are refused); add:")
             lines.extend(f"    {line}" for line in (res.get("pull_config") or "").splitlines())
+        rows[_label(rows, peer)] = "\n".join(lines)
+    if "error" in ret and not rows:
+        rows["error"] = ret["error"]
+    rows["retcode"] = ret.get("retcode", 0)
+    return rows
+
+
+def restore_rows(ret, test=False):
+    """The rows of a restore's return (``{peer: result, "retcode": n}``)."""
+    rows = {}
+    for peer, res in ret.items():
+        if peer == "retcode" or not isinstance(res, dict):
+            continue
+        head = ("FAILED: " + res["error"]) if res.get("error") else (
+            f"{'would restore' if test else 'restored'} {len(res.get('restored') or [])} "
+            f"file(s) from backup {res.get('backup_restored')}")
+        lines = [head] + [f"  {item}" for item in res.get("restored") or []]
+        lines += [f"  error: {err}" for err in res.get("errors") or []]
+        if res.get("backup"):
+            lines.append(f"  what was there is in backup: {res['backup']}")
+        if res.get("restart"):
+            lines.append(f"  restart: {res['restart']}")
         rows[_label(rows, peer)] = "\n".join(lines)
     if "error" in ret and not rows:
         rows["error"] = ret["error"]

@@ -76,3 +76,15 @@ def test_status_rows():
     ]
     assert rows["m3"] == "UNREACHABLE: m3's salt-minion did not answer"
     assert rows["retcode"] == 1
+
+
+def test_restore_rows():
+    ret = {"m2": {"result": True, "backup_restored": "20261123T223735Z",
+                  "restored": ["file_roots/base/motd.sls"], "errors": [],
+                  "backup": "/c/backup/20261123T223800Z", "restart": None}}
+    assert report.restore_rows(ret) == {
+        "m2": "restored 1 file(s) from backup 20261123T223735Z\n"
+              "  file_roots/base/motd.sls\n"
+              "  what was there is in backup: /c/backup/20261123T223800Z",
+        "retcode": 0}
+    assert report.restore_rows(ret, test=True)["m2"].startswith("would restore 1 file(s)")
