@@ -180,6 +180,10 @@ def operators_day(cluster, primary, peer, peer_minion):
     arrived = wait_until(
         lambda: (cluster.pki_dir(peer) / "minions" / "demo-new1").exists(), deadline=60)
     print(f"    demo-new1 accepted on the peer: {arrived}")
+    plain(primary, "-d", "demo-new1", "-y", cli="salt-key")
+    gone = wait_until(
+        lambda: not (cluster.pki_dir(peer) / "minions" / "demo-new1").exists(), deadline=60)
+    print(f"    ... and its deletion too: demo-new1 gone from the peer: {gone}")
 
 
 def main():

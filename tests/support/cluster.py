@@ -98,6 +98,9 @@ def standalone_factories(root, stack, **kwargs):
     from saltfactories.plugins.event_listener import EventListener
     from saltfactories.utils import ports
 
+    # the manager logs its own repr as a warning when built; Salt's temporary
+    # log handler prints it at exit, after the demo's last line
+    logging.getLogger("saltfactories.manager").setLevel(logging.ERROR)
     listener = EventListener()
     listener.start()
     stack.callback(listener.stop)
