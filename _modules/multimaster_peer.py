@@ -110,11 +110,9 @@ def _sha_or_none(path):
 
 
 def _fingerprint(path, opts):
-    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
 
-    if not os.path.isfile(path):
-        return None
-    return salt.utils.crypt.pem_finger(path, sum_type=opts.get("hash_type", "sha256"))
+    return finger.file_finger(path, opts.get("hash_type", "sha256")) or None
 
 
 def _dropin_path(mopts):
