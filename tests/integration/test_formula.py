@@ -21,6 +21,7 @@ import time
 
 import pytest
 import salt.utils.yaml
+import salt.version
 import salt_multimaster.minion_config
 
 from cryptography.hazmat.primitives import serialization
@@ -29,6 +30,9 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from tests.support.cluster import master_key_paths, wait_until
 
 pytestmark = pytest.mark.daemons
+
+# salt/key event act for an accepted key: Salt 3006/3007 "accept", 3008 "accepted"
+ACCEPT_ACT = "accepted" if salt.version.__version_info__[0] >= 3008 else "accept"
 
 # The repository is the file_roots root: keep the virtualenv, git data and
 # caches out of the file server (listing them makes every sync slow).
@@ -407,6 +411,11 @@ def test_accept_on_primary_alone_reaches_the_peer(frr):
         # (a move between two key dirs is a rename and an unlink: wait for both)
         assert wait_until(lambda: _accepted_only(frr.keys(frr.peers[0]), "frr-new1")), _diag(frr)
         assert frr.wait_ping(frr.peers[0], "frr-new1", deadline=120), _diag(frr)
+        # the reactor ran on this Salt's own salt/key act value (3006/3007
+        # accept, 3008 accepted)
+        acts = {arg for _, load, _ in frr.job_records(
+            frr.primary, "runner.multimaster_reactor.key_event") for arg in load["arg"]}
+        assert f"act={ACCEPT_ACT}" in acts and "minion_id=frr-new1" in acts, acts
         # the minion's retried auth on the peer did not put it back in pending
         assert _accepted_only(frr.keys(frr.peers[0]), "frr-new1"), _diag(frr)
         # deleting it on the primary reaches the peer too
