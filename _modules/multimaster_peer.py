@@ -601,13 +601,13 @@ class _Puller:
         return ops
 
     def _future(self, index):
-        import contextvars  # pylint: disable=import-outside-toplevel
+        from salt_multimaster import compat  # pylint: disable=import-outside-toplevel
 
         if index not in self.futures and index < self.count:
             # Salt's loader dunders (__salt__, __opts__) live in context
             # variables: run the request in a copy of this thread's context
             self.futures[index] = self.pool.submit(
-                contextvars.copy_context().run, self._request, index)
+                compat.copy_context().run, self._request, index)
         return self.futures.get(index)
 
     def get(self, cat, op):

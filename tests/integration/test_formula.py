@@ -33,6 +33,9 @@ pytestmark = pytest.mark.daemons
 
 # salt/key event act for an accepted key: Salt 3006/3007 "accept", 3008 "accepted"
 ACCEPT_ACT = "accepted" if salt.version.__version_info__[0] >= 3008 else "accept"
+# Salt 3008's pillar.get masks values unless unmask=True, an argument 3006/3007
+# refuse ("keyword arguments are not valid")
+PILLAR_UNMASK = ["unmask=True"] if salt.version.__version_info__[0] >= 3008 else []
 
 # The repository is the file_roots root: keep the virtualenv, git data and
 # caches out of the file server (listing them makes every sync slow).
@@ -146,7 +149,7 @@ def test_stale_setup(frm):
     ret = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id,
                    timeout=240)
     assert ret.returncode == 0, ret
-    ret = frm.salt(frm.primary, "pillar.get", "multimaster:minion", "unmask=True",
+    ret = frm.salt(frm.primary, "pillar.get", "multimaster:minion", *PILLAR_UNMASK,
                    minion_tgt=minion.id)
     assert ret.data == {"master_alive_interval": 10}, ret
     stale = _new_pub()
