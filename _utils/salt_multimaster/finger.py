@@ -10,9 +10,12 @@ master's public key on the primary, and Salt changed it in 3008:
   ``pki_dir/master.pub``.  This is also the form a minion's own
   ``master_finger`` option is checked against (``salt.crypt``), on every
   release, 3008 included.
-- Salt 3008: ``salt.key.Key.finger`` hashes the whole PEM text of
-  ``pki_dir/<master id>.pub`` (``pem_finger(key=text)``: header, footer and
-  final newline included), so the same key prints a different fingerprint.
+- Salt 3008: ``salt.key.Key.finger`` reads the text of
+  ``pki_dir/<master id>.pub`` and calls ``pem_finger(key=text)``, which in
+  3008.0-3008.5 hashes the whole PEM text (header, footer and final newline
+  included), so the same key prints a different fingerprint.  (3006.28 and
+  3007.15 made ``pem_finger(key=...)`` strip the header too; their
+  ``salt-key`` reads the file by path anyway.)
 
 ``master_finger`` gives the form the installed Salt's ``salt-key -F master``
 prints; ``matches`` accepts either form, so an expected fingerprint copied
@@ -76,15 +79,20 @@ def salt_major(saltversion=None):
     return int(match.group(1))
 
 
-def master_finger(text, sum_type="sha256", saltversion=None):
+def master_finger(text, sum_type="sha256"):
     """
-    The fingerprint ``salt-key -F master`` of Salt ``saltversion`` (default:
-    the installed Salt) prints for the PEM public key ``text``; "" without text.
+    The fingerprint the installed Salt's ``salt-key -F master`` prints for the
+    PEM public key ``text``; "" without text.  On Salt 3008 that is Salt's own
+    ``pem_finger(key=text)`` (the whole PEM text on 3008.0-3008.5), before it
+    ``pem_finger(path)`` (the body form).
     """
     if not text:
         return ""
-    if salt_major(saltversion) >= TEXT_FORM_SINCE:
-        return text_finger(text, sum_type)
+    if salt_major() >= TEXT_FORM_SINCE:
+        import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+
+        data = "\n".join(_pem_lines(text)) + "\n"
+        return salt.utils.crypt.pem_finger(key=data.encode("utf-8"), sum_type=sum_type or "sha256")
     return body_finger(text, sum_type)
 
 
@@ -96,9 +104,9 @@ def read_key(path):
         return handle.read()
 
 
-def file_finger(path, sum_type="sha256", saltversion=None):
+def file_finger(path, sum_type="sha256"):
     """``master_finger`` of the key file at ``path``, or "" if it is missing."""
-    return master_finger(read_key(path), sum_type, saltversion)
+    return master_finger(read_key(path), sum_type)
 
 
 def matches(text, finger):
