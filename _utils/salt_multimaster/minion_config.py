@@ -18,7 +18,8 @@ import re
 
 import salt.utils.yaml
 
-from salt_multimaster import finger, fsutil
+from salt_multimaster import finger as _fingers
+from salt_multimaster import fsutil
 # one resolver and one fingerprint form for the audit and the states
 from salt_multimaster.audit import normalize_finger, resolve_hosts  # noqa: F401
 
@@ -381,21 +382,21 @@ def key_finger(text, sum_type="sha256"):
     The master fingerprint of a PEM public key's text, as the installed Salt's
     ``salt-key -F master`` prints it (``finger.master_finger``).
     """
-    return finger.master_finger(text, sum_type)
+    return _fingers.master_finger(text, sum_type)
 
 
-def finger_matches(text, finger_):
+def finger_matches(text, finger):
     """
-    True when the PEM ``text`` has fingerprint ``finger_`` in either of Salt's
+    True when the PEM ``text`` has fingerprint ``finger`` in either of Salt's
     forms (``finger.matches``); the hash is chosen by the fingerprint's length
     (md5, sha1, sha224, sha256, sha384, sha512).
     """
-    return finger.matches(text, finger_)
+    return _fingers.matches(text, finger)
 
 
-def valid_finger(finger_):
-    """True when ``finger_`` is a fingerprint of a hash Salt can produce."""
-    return finger.valid(finger_)
+def valid_finger(finger):
+    """True when ``finger`` is a fingerprint of a hash Salt can produce."""
+    return _fingers.valid(finger)
 
 
 def normalize_pem(text):
