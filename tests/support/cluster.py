@@ -394,9 +394,12 @@ class Cluster:
         ret = self.salt_key(master, "-F", "master")
         assert ret.returncode == 0, ret
         local = (ret.data or {}).get("local") or {}
-        pubs = [finger for name, finger in local.items() if name.endswith(".pub")]
-        assert len(pubs) == 1, ret
-        return pubs[0]
+        # 3006/3007 list master.pub, 3008 <id>.pub (master.pub is a symlink
+        # there); master_sign.pub too where present
+        for name in (f"{master.config['id']}.pub", "master.pub"):
+            if name in local:
+                return local[name]
+        raise AssertionError(f"no master public key in salt-key -F master: {ret}")
 
     @staticmethod
     def log_files(daemon):
