@@ -1,18 +1,27 @@
 # salt-multimaster: the quick start is `make demo` and `make test`.
+# SALT picks the Salt line (3006, 3007, 3008); each line has its own venv and
+# its own constraints file naming the exact releases tested (constraints/).
 PYTHON ?= python3
-VENV   ?= .venv
+SALT   ?= 3008
+CONSTRAINTS := constraints/salt-$(SALT).txt
+VENV   ?= .venv/$(SALT)
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
+ifeq ($(wildcard $(CONSTRAINTS)),)
+$(error SALT=$(SALT): no $(CONSTRAINTS); supported lines: 3006 3007 3008)
+endif
+
 .PHONY: test demo venv bench clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# Dependencies only: the tests build and install the package themselves
-	# (a wheel for the pip path, the repo as file_roots for the sync path).
-	$(PY) -m pip install --quiet "salt>=3007" pyyaml "pytest>=7" "pytest-salt-factories>=1.0.0" wheel setuptools
+	# Dependencies only, at the exact releases of $(CONSTRAINTS): the tests
+	# build and install the package themselves (a wheel for the pip path, the
+	# repo as file_roots for the sync path).
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) "salt==$(SALT).*" pyyaml pytest pytest-salt-factories wheel setuptools
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -27,4 +36,4 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf .venv build dist *.egg-info .pytest_cache

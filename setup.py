@@ -29,7 +29,7 @@ setup(
         "salt_multimaster.modules": "_modules",
         "salt_multimaster.states": "_states",
     },
-    install_requires=["salt>=3007", "pyyaml"],
+    install_requires=["salt>=3006", "pyyaml"],
     extras_require={
         "tests": ["pytest>=7", "pytest-salt-factories>=1.0.0"],
     },

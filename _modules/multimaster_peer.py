@@ -111,11 +111,9 @@ def _sha_or_none(path):
 
 
 def _fingerprint(path, opts):
-    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
 
-    if not os.path.isfile(path):
-        return None
-    return salt.utils.crypt.pem_finger(path, sum_type=opts.get("hash_type", "sha256"))
+    return finger.file_finger(path, opts.get("hash_type", "sha256")) or None
 
 
 def _request(fun, sealed, given):
@@ -675,13 +673,13 @@ class _Puller:
         return ops
 
     def _future(self, index):
-        import contextvars  # pylint: disable=import-outside-toplevel
+        from salt_multimaster import compat  # pylint: disable=import-outside-toplevel
 
         if index not in self.futures and index < self.count:
             # Salt's loader dunders (__salt__, __opts__) live in context
             # variables: run the request in a copy of this thread's context
             self.futures[index] = self.pool.submit(
-                contextvars.copy_context().run, self._request, index)
+                compat.copy_context().run, self._request, index)
         return self.futures.get(index)
 
     def get(self, cat, op):

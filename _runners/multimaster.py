@@ -1337,7 +1337,7 @@ def status(peers=None, verbose=False, **kwargs):
 
 
 def _status(peers, **kwargs):
-    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import finger as _finger  # pylint: disable=import-outside-toplevel
 
     from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
 
@@ -1361,10 +1361,7 @@ def _status(peers, **kwargs):
     all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
     primary, invs = _inventories(conf, all_cats, peers, test=True)
     pub = primary["master_keys"]["files"]["pub"]
-    primary_finger = (
-        salt.utils.crypt.pem_finger(pub, sum_type=__opts__.get("hash_type", "sha256"))
-        if os.path.isfile(pub) else None
-    )
+    primary_finger = _finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
     primary_counts = primary["minion_keys"]["counts"]
     for peer in peers:
         inv = (invs.get(peer) or {}).get("ret")

@@ -323,12 +323,20 @@ def master_key_path(opts, topology="shared"):
 
 
 def key_finger(path, hash_type="sha256"):
-    """The fingerprint ``salt-key -F`` prints for the key at ``path``, or "" if missing."""
-    import salt.utils.crypt  # pylint: disable=import-outside-toplevel
+    """
+    The master fingerprint of the key at ``path`` as the installed Salt's
+    ``salt-key -F master`` prints it (``finger.master_finger``), or "" if missing.
+    """
+    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
 
-    if not os.path.isfile(path):
-        return ""
-    return salt.utils.crypt.pem_finger(path, sum_type=hash_type or "sha256")
+    return finger.file_finger(path, hash_type or "sha256")
+
+
+def _finger_of(path, expected_finger):
+    """True when the key at ``path`` has ``expected_finger`` in either of Salt's forms."""
+    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
+
+    return finger.file_matches(path, expected_finger)
 
 
 def check_master_pubkey(path, actual_finger, expected_finger, topology="shared"):
@@ -364,7 +372,9 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
                 "'salt-key -F master' on the primary.",
             )
         ]
-    if normalize_finger(actual_finger) != normalize_finger(expected_finger):
+    if normalize_finger(actual_finger) != normalize_finger(expected_finger) and not _finger_of(
+        path, expected_finger
+    ):
         if topology == "signed":
             remedy = (
                 "Replace {} with the masters' master_sign.pub (fingerprint {}) and "

@@ -11,10 +11,11 @@ called it), so it saves that record itself, through the job cache's own
 ``save_load``, naming that one target; Salt then only adds the return.
 """
 
-import contextvars
 import logging
 import os
 import threading
+
+from salt_multimaster import compat
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def record_in_thread(opts, jid, fun, tgt, arg):
     thread runs in a copy of this context (Salt's loader dunders are context
     variables).  Join it before the job returns.
     """
-    thread = threading.Thread(target=contextvars.copy_context().run,
+    thread = threading.Thread(target=compat.copy_context().run,
                               args=(record, opts, jid, fun, tgt, arg),
                               name="multimaster-job-record", daemon=True)
     thread.start()

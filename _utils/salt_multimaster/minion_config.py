@@ -12,13 +12,13 @@ value replaces the main file's value of the same key, so the drop-in alone
 decides the master list and the HA settings.
 """
 
-import hashlib
 import ipaddress
 import os
 import re
 
 import salt.utils.yaml
 
+from salt_multimaster import finger as _fingers
 from salt_multimaster import fsutil
 # one resolver and one fingerprint form for the audit and the states
 from salt_multimaster.audit import normalize_finger, resolve_hosts  # noqa: F401
@@ -379,32 +379,24 @@ def atomic_write(path, text, mode=0o644):
 
 def key_finger(text, sum_type="sha256"):
     """
-    The fingerprint of a PEM public key's text, computed exactly as
-    ``salt-key -F`` (``salt.utils.crypt.pem_finger`` on the key file) does.
+    The master fingerprint of a PEM public key's text, as the installed Salt's
+    ``salt-key -F master`` prints it (``finger.master_finger``).
     """
-    lines = [line for line in text.splitlines(True) if line.strip()][1:-1]
-    data = "".join(lines).replace("\r\n", "\n")
-    digest = getattr(hashlib, sum_type)(data.encode("utf-8")).hexdigest()
-    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+    return _fingers.master_finger(text, sum_type)
 
 
 def finger_matches(text, finger):
     """
-    True when the PEM ``text`` has fingerprint ``finger``; the hash is chosen
-    by the fingerprint's length (md5, sha1, sha224, sha256, sha384, sha512).
+    True when the PEM ``text`` has fingerprint ``finger`` in either of Salt's
+    forms (``finger.matches``); the hash is chosen by the fingerprint's length
+    (md5, sha1, sha224, sha256, sha384, sha512).
     """
-    wanted = normalize_finger(finger)
-    sum_type = _HASHES_BY_LEN.get(len(wanted))
-    if not text or not sum_type:
-        return False
-    return normalize_finger(key_finger(text, sum_type)) == wanted
+    return _fingers.matches(text, finger)
 
 
 def valid_finger(finger):
     """True when ``finger`` is a fingerprint of a hash Salt can produce."""
-    return len(normalize_finger(finger)) in _HASHES_BY_LEN and bool(
-        re.fullmatch(r"[0-9a-fA-F:]+", str(finger).strip())
-    )
+    return _fingers.valid(finger)
 
 
 def normalize_pem(text):

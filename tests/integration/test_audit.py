@@ -26,6 +26,8 @@ import salt.version
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
+from salt_multimaster import finger as fingers
+
 pytestmark = pytest.mark.daemons
 
 VERSION = salt.version.__version__
@@ -255,11 +257,16 @@ def test_master_pubkey_signed_topology(cluster):
     path = pathlib.Path(daemon.config["pki_dir"]) / "master_sign.pub"
     pem = _pub_pem()
     with replaced(path, pem):
-        sign_finger = salt.utils.crypt.pem_finger(str(path), sum_type="sha256")
+        # as this Salt's salt-key -F prints master_sign.pub
+        sign_finger = fingers.file_finger(str(path), "sha256")
         ret = audit(cluster, daemon, "topology=signed", f"master_finger={sign_finger}")
         assert ret.returncode == 0, ret
         assert not by_check(ret.data, "master_pubkey")
         assert ret.data["master_finger"] == sign_finger
+        # the body form (3006/3007 salt-key, a minion's master_finger option)
+        body = salt.utils.crypt.pem_finger(str(path), sum_type="sha256")
+        ret = audit(cluster, daemon, "topology=signed", f"master_finger={body}")
+        assert ret.returncode == 0 and not by_check(ret.data, "master_pubkey"), ret
         # the shared key's fingerprint is not the signing key's
         ret = audit(cluster, daemon, "topology=signed", f"master_finger={cluster.finger}")
         assert ret.returncode != 0, ret

@@ -112,7 +112,10 @@ def test_status_reports_drift_and_changes_nothing(cluster):
         assert res["reachable"] is True
         assert res["in_sync"] is False
         finger = res["master_finger"]
+        # the one master fingerprint: what salt-key -F master prints on each
         assert finger["primary"] == cluster.master_fingerprint(cluster.primary)
+        peer = next(p for p in cluster.peers if p.id == pm.id)  # same id
+        assert finger["peer"] == cluster.master_fingerprint(peer)
         assert finger["peer"] != finger["primary"]
         assert res["minion_keys"]["primary"]["minions_pre"] == 2
         assert res["minion_keys"]["peer"]["minions"] == 0

@@ -28,7 +28,6 @@ import time
 
 import salt.config
 import salt.payload
-import salt.utils.crypt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from pytestshellutils.exceptions import FactoryTimeout
@@ -388,10 +387,22 @@ class Cluster:
                     ret.append((data["jid"], data, salt.payload.load(fh)))
         return sorted(ret, key=lambda rec: rec[0])
 
-    @staticmethod
-    def master_fingerprint(master):
-        _, pub = master_key_paths(master.config["pki_dir"])
-        return salt.utils.crypt.pem_finger(str(pub), sum_type="sha256")
+    def master_fingerprint(self, master):
+        """
+        The master fingerprint as an operator reads it: the real
+        ``salt-key -F master`` on ``master`` (its ``*.pub`` line: master.pub
+        on Salt 3006/3007, ``<id>.pub`` on 3008, whose salt-key hashes the
+        whole PEM text).
+        """
+        ret = self.salt_key(master, "-F", "master")
+        assert ret.returncode == 0, ret
+        local = (ret.data or {}).get("local") or {}
+        # 3006/3007 list master.pub, 3008 <id>.pub (master.pub is a symlink
+        # there); master_sign.pub too where present
+        for name in (f"{master.config['id']}.pub", "master.pub"):
+            if name in local:
+                return local[name]
+        raise AssertionError(f"no master public key in salt-key -F master: {ret}")
 
     @staticmethod
     def log_files(daemon):

@@ -18,6 +18,7 @@ from salt.exceptions import SaltInvocationError
 
 import salt_multimaster.audit as audit
 import salt_multimaster.fleet as fleet
+from salt_multimaster import finger as finger_mod
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 VERSION = salt.version.__version__
@@ -195,7 +196,10 @@ def test_master_pubkey(tmp_path):
     path = tmp_path / "minion_master.pub"
     path.write_bytes(_pub_pem())
     finger = salt.utils.crypt.pem_finger(str(path), sum_type="sha256")
-    assert audit.key_finger(str(path), "sha256") == finger
+    # reported in the installed Salt's salt-key -F form; either form matches
+    assert audit.key_finger(str(path), "sha256") == finger_mod.file_finger(str(path))
+    text_form = salt.utils.crypt.pem_finger(key=path.read_bytes(), sum_type="sha256")
+    assert audit.check_master_pubkey(str(path), audit.key_finger(str(path)), text_form) == []
     assert audit.check_master_pubkey(str(path), finger, finger) == []
     assert audit.check_master_pubkey(str(path), finger, finger.upper()) == []
     stale = audit.check_master_pubkey(str(path), finger, "aa:bb")
@@ -384,7 +388,8 @@ def minion_tree(tmp_path):
     (conf_dir / "minion.d").mkdir(parents=True)
     pki.mkdir()
     (pki / "minion_master.pub").write_bytes(_pub_pem())
-    finger = salt.utils.crypt.pem_finger(str(pki / "minion_master.pub"), sum_type="sha256")
+    # the installed Salt's salt-key -F master form
+    finger = finger_mod.file_finger(str(pki / "minion_master.pub"), "sha256")
     (conf_dir / "minion").write_text(
         "id: m1\n"
         "master: [10.0.0.1, 10.0.0.2]\n"

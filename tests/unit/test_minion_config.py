@@ -10,6 +10,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 import salt_multimaster.minion_config as mc
+from salt_multimaster import finger as finger_mod
 
 
 def _pub():
@@ -198,9 +199,10 @@ def test_key_finger_matches_salt(tmp_path):
     path = tmp_path / "k.pub"
     path.write_text(pub)
     for sum_type in ("sha256", "md5", "sha512"):
-        assert mc.key_finger(pub, sum_type) == salt.utils.crypt.pem_finger(
-            str(path), sum_type=sum_type
-        )
+        # the installed Salt's salt-key -F form (finger.master_finger)
+        assert mc.key_finger(pub, sum_type) == finger_mod.master_finger(pub, sum_type)
+        # both of Salt's forms name the key
+        assert mc.finger_matches(pub, salt.utils.crypt.pem_finger(key=pub, sum_type=sum_type))
     finger = salt.utils.crypt.pem_finger(str(path))
     assert mc.finger_matches(pub, finger)
     assert mc.finger_matches(pub.replace("\n", "\r\n"), finger.upper())

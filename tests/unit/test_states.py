@@ -17,6 +17,8 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 
 from tests.conftest import REPO
 
+from salt_multimaster import finger as finger_mod  # noqa: E402
+
 
 def _load(kind, name):
     spec = importlib.util.spec_from_file_location(
@@ -428,7 +430,8 @@ def test_master_key_replaces_stale_key(minion):
     cached = minion["pki"] / "minion_master.pub"
     cached.write_text(stale)
     (minion["tmp"] / "good.pub").write_text(good)
-    finger = salt.utils.crypt.pem_finger(str(minion["tmp"] / "good.pub"))
+    # the installed Salt's salt-key -F master form
+    finger = finger_mod.file_finger(str(minion["tmp"] / "good.pub"))
     with patch.dict(states.__opts__, {"test": True}):
         ret = states.master_key("minion_master.pub", contents=good, master_finger=finger)
     assert ret["result"] is None
@@ -470,6 +473,9 @@ def test_master_key_finger_only(minion):
     finger = salt.utils.crypt.pem_finger(str(minion["pki"] / "minion_master.pub"))
     with patch.dict(states.__opts__, {"test": False}):
         assert states.master_key("minion_master.pub", master_finger=finger)["result"] is True
+        # Salt 3008's salt-key -F master form names the same key
+        text_form = salt.utils.crypt.pem_finger(key=key.encode())
+        assert states.master_key("minion_master.pub", master_finger=text_form)["result"] is True
         ret = states.master_key("minion_master.pub", master_finger="ab:" * 31 + "ab")
         assert ret["result"] is False and "no key content" in ret["comment"]
         ret = states.master_key("minion_master.pub")

@@ -1,0 +1,18 @@
+"""
+Differences between the supported Salt lines (3006, 3007, 3008) that the
+core handles in one place.  Plain functions, no Salt loader.
+"""
+
+try:
+    # The C module Salt's loader context (salt.loader.context) uses.  Salt
+    # 3006 and 3007 install the PyPI ``contextvars`` backport, which can
+    # shadow the standard module inside the daemons: its copy_context() does
+    # not carry Salt's loader dunders (__salt__, __opts__) into a thread.
+    import _contextvars as _cv
+except ImportError:  # pragma: no cover
+    import contextvars as _cv
+
+
+def copy_context():
+    """A copy of this thread's context, Salt's loader context variables included."""
+    return _cv.copy_context()
