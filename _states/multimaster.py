@@ -109,22 +109,92 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
     return restart, restart_cmd, restart_delay
 
 
-def _schedule_restart(ret, restart, restart_cmd, restart_delay):
+def _restart_failed(ret, service, reason):
+    """Fill ``ret`` for a restart of ``service`` that cannot happen."""
+    import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
+
+    pillar_key = ("multimaster:minion_restart_cmd" if service == "salt-minion"
+                  else "multimaster:master:restart_cmd")
+    ret["result"] = False
+    ret["comment"] += " " + salt_multimaster.restart.failure_comment(service, reason, pillar_key)
+
+
+def _predict_restart(ret, restart_cmd, restart_delay, service="salt-minion"):
+    """
+    test=True: whether the restart would happen; a restart that cannot
+    happen fails the state as it would without test.  True when it can.
+    """
+    try:
+        check = __salt__["multimaster.restart_minion"](
+            cmd=restart_cmd, delay=restart_delay, service=service, test=True)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        _restart_failed(ret, service, str(exc))
+        return False
+    if not check.get("possible", True):
+        _restart_failed(ret, service, check.get("reason"))
+        return False
+    return True
+
+
+def _schedule_restart(ret, restart, restart_cmd, restart_delay, service="salt-minion"):
     """Schedule the background restart and record it in ``ret``."""
+    what = "minion" if service == "salt-minion" else "master"
     if not restart:
-        ret["comment"] += " The minion must restart to use it (restart: False)."
+        ret["comment"] += f" The {what} must restart to use it (restart: False)."
         return
     try:
-        sched = __salt__["multimaster.restart_minion"](cmd=restart_cmd, delay=restart_delay)
+        sched = __salt__["multimaster.restart_minion"](
+            cmd=restart_cmd, delay=restart_delay, **({} if service == "salt-minion"
+                                                     else {"service": service}))
     except (CommandExecutionError, SaltInvocationError) as exc:
-        ret["result"] = False
-        ret["comment"] += f" Scheduling the minion restart failed: {exc}"
+        _restart_failed(ret, service, str(exc))
         return
     if sched.get("scheduled"):
         ret["changes"]["restart"] = f"scheduled after this job returns: {sched['cmd']}"
-        ret["comment"] += " The minion restarts in the background after this job returns."
+        ret["comment"] += f" The {what} restarts in the background after this job returns."
     else:
-        ret["comment"] += f" A minion restart is already pending (pid {sched.get('pid')})."
+        ret["comment"] += f" A {what} restart is already pending (pid {sched.get('pid')})."
+
+
+def restart_scheduled(name, cmd=None, delay=None):
+    """
+    Restart the salt-minion or salt-master of this host in the background,
+    after the state run returned (``multimaster.restart_minion``).  Use it
+    with ``onchanges``; salt.multimaster.master restarts the primary's
+    salt-master with it.  A restart that cannot happen here (no service
+    manager knows the service for the default command, a program of ``cmd``
+    that is not installed) fails the state, with test=True too.
+
+    name
+        ``salt-minion`` or ``salt-master``.
+
+    cmd
+        The restart command; default ``salt-call --local service.restart <name>``
+        (for salt-minion: pillar ``multimaster:minion_restart_cmd`` first).
+
+    delay
+        Seconds between the end of the job and the restart (default 5).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master01 state.single multimaster.restart_scheduled salt-master
+    """
+    ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    if name not in ("salt-minion", "salt-master"):
+        ret["result"] = False
+        ret["comment"] = f"name must be salt-minion or salt-master, not {name!r}"
+        return ret
+    if __opts__["test"]:
+        if _predict_restart(ret, cmd, delay, service=name):
+            ret["result"] = None
+            ret["changes"] = {"restart": f"would be scheduled after this job returns ({name})"}
+            ret["comment"] = f"The {name} would restart in the background after this job returns."
+        return ret
+    ret["comment"] = f"Restart of the {name} requested."
+    _schedule_restart(ret, True, cmd, delay, service=name)
+    return ret
 
 
 def minion_config(
@@ -205,6 +275,8 @@ def minion_config(
             " and the minion restarted" if check["restart_needed"] and restart else "",
             _notes(check),
         )
+        if check["restart_needed"] and restart:
+            _predict_restart(ret, restart_cmd, restart_delay)
         return ret
     try:
         applied = __salt__["multimaster.minion_config_apply"](
@@ -332,6 +404,8 @@ def master_key(
         ret["comment"] = "Trusted master key {} would be replaced{}.".format(
             path, " and the minion restarted" if restart else ""
         )
+        if restart:
+            _predict_restart(ret, restart_cmd, restart_delay)
         return ret
     try:
         applied = __salt__["multimaster.master_key_apply"](**kwargs)
