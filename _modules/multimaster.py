@@ -95,7 +95,14 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
 
     Checks: master_list, duplicate_master, master_reachable, master_pubkey,
     master_alive_interval, failover_settings, ipc_tcp_ports, version_skew,
-    duplicate_minion_process.
+    duplicate_minion_process, restart_pending.
+
+    restart_pending compares the options of the running salt-minion (this
+    job's ``__opts__``) with its config files, for the settings the formula
+    manages and the master list (a multi-master job only knows its own
+    master: that one must still be in the files).  Through ``salt-call`` the
+    options are read fresh from the files, so it is only checked in a job of
+    the salt-minion daemon (``salt '<id>' multimaster.audit``).
 
     masters
         The expected master list (list or comma separated).  Default: pillar
@@ -151,6 +158,7 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         master_versions=versions,
         topology=topology,
         timeout=timeout,
+        running=dict(__opts__),
     )
     if not ret["result"]:
         __context__["retcode"] = 1
