@@ -791,9 +791,10 @@ def check_restart_pending(running, files):
     added is not); a single-master minion's master exactly.
 
     ``running`` must come from the daemon: ``salt-call`` starts with fresh
-    options read from the files, so when ``running["__cli"]`` is not
-    ``salt-minion`` nothing is compared (run the audit through a master:
-    ``salt '<id>' multimaster.audit``).
+    options read from the files, so under salt-call (``caller`` set, or a
+    ``__cli`` naming salt-call) or without ``__cli`` (not options of a Salt
+    process) nothing is compared: run the audit through a master,
+    ``salt '<id>' multimaster.audit``.
 
     Severity ``error``: the rest of the audit reads the files, so with a
     restart pending its "no findings" describes a configuration the minion
@@ -802,7 +803,8 @@ def check_restart_pending(running, files):
     Right after a state run that restarts the minion in the background it is
     expected for the restart delay; audit again after the restart.
     """
-    if running.get("__cli") != "salt-minion":
+    cli = str(running.get("__cli") or "")
+    if not cli or running.get("caller") or "call" in cli:
         return []
     differ = []
     for key in RESTART_COMPARED:

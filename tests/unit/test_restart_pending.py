@@ -67,11 +67,18 @@ def test_single_master_exact():
     assert audit.check_restart_pending(_running(master="10.0.0.2", multimaster=False), files)
 
 
-@pytest.mark.parametrize("cli", [None, "salt-call"])
-def test_not_compared_outside_the_daemon(cli):
+@pytest.mark.parametrize("over", [{"__cli": None}, {"__cli": "salt-call"},
+                                  {"__cli": "salt-call.exe"}, {"caller": True}])
+def test_not_compared_outside_the_daemon(over):
     """salt-call reads fresh options from the files: nothing to compare."""
-    running = _running(master_alive_interval=0, __cli=cli)
+    running = _running(master_alive_interval=0, **over)
     assert audit.check_restart_pending(running, FILES) == []
+
+
+def test_daemon_started_by_another_script_name():
+    # __cli is the basename of argv[0]: salt-factories runs cli_salt_minion.py
+    running = _running(master_alive_interval=0, __cli="cli_salt_minion.py")
+    assert audit.check_restart_pending(running, FILES)[0]["check"] == "restart_pending"
 
 
 def _audit(mod, tree, running):  # noqa: F811
