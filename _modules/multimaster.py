@@ -159,6 +159,7 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         topology=topology,
         timeout=timeout,
         running=dict(__opts__),
+        restart_status=_mm_restart_status(),
     )
     if not ret["result"]:
         __context__["retcode"] = 1
@@ -581,6 +582,21 @@ def _mm_service_available(service):
         return None
 
 
+def _mm_restart_status_path(service="salt-minion"):
+    """Where the background restart of ``service`` leaves its command's exit status."""
+    return _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster",
+                            f"restart-{service}.status")
+
+
+def _mm_restart_status():
+    """The exit status of the last background salt-minion restart command, or None."""
+    try:
+        with open(_mm_restart_status_path(), encoding="utf-8") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     """
     Restart this minion in the background once the current job has returned,
@@ -669,8 +685,16 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
         "p={pid}; i=0; "
         'while [ "$p" -gt 0 ] && [ $i -lt 2400 ] && [ -d /proc/$p ] && '
         "! grep -q ') Z' /proc/$p/stat 2>/dev/null; do sleep 0.25; i=$((i+1)); done; "
-        "sleep {delay}; rm -f {pending}; {cmd}"
-    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd)
+        "sleep {delay}; rm -f {pending}; ({cmd}); "
+        # the outcome, for the audit's restart_pending (a restart that worked
+        # usually ends this script before it gets here)
+        "echo $? > {last}.tmp && mv -f {last}.tmp {last}"
+    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd,
+             last=_mm_quote(_mm_restart_status_path(service)))
+    try:
+        _mm_os.unlink(_mm_restart_status_path(service))
+    except OSError:
+        pass
     ret = __salt__["cmd.run_bg"](script, python_shell=True, cwd="/")
     pid = int(ret.get("pid") or 0)
     try:

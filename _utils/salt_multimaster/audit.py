@@ -774,7 +774,7 @@ def _running_masters(running, default_port):
     return [parse_master(m, default_port) for m in entries], complete
 
 
-def check_restart_pending(running, files):
+def check_restart_pending(running, files, restart_status=None):
     """
     Compare the options of the running salt-minion (``running``: the
     ``__opts__`` of a job of the salt-minion daemon) with what its config
@@ -795,6 +795,10 @@ def check_restart_pending(running, files):
     ``__cli`` naming salt-call) or without ``__cli`` (not options of a Salt
     process) nothing is compared: run the audit through a master,
     ``salt '<id>' multimaster.audit``.
+
+    ``restart_status``: the exit status of the last background restart
+    command the multimaster states scheduled (None: unknown); a non-zero one
+    is named in the finding.
 
     Severity ``error``: the rest of the audit reads the files, so with a
     restart pending its "no findings" describes a configuration the minion
@@ -822,12 +826,16 @@ def check_restart_pending(running, files):
             ", ".join(f"{h}:{p}" for h, p in on_disk) or "none"))
     if not differ:
         return []
+    failed = ""
+    if restart_status not in (None, 0):
+        failed = (" The last restart command scheduled by the multimaster states exited "
+                  f"with status {restart_status}.")
     return [
         finding(
             "restart_pending",
             "error",
             "The running salt-minion does not use its config files: it started before "
-            "these options changed: {}.".format("; ".join(differ)),
+            "these options changed: {}.{}".format("; ".join(differ), failed),
             "Restart the salt-minion; the options in its config files take effect then.",
         )
     ]
@@ -848,12 +856,14 @@ def run_audit(
     resolver=None,
     connect=None,
     running=None,
+    restart_status=None,
 ):
     """
     Run every check over the minion options ``opts`` and return the audit:
     ``{"result", "findings", "masters", "master_finger", "saltversion"}``.
     ``running``: the running minion's options, for restart_pending (see
-    :func:`check_restart_pending`); None skips that check.
+    :func:`check_restart_pending`, with ``restart_status``); None skips
+    that check.
     """
     import salt.version  # pylint: disable=import-outside-toplevel
 
@@ -891,7 +901,7 @@ def run_audit(
     findings += check_version_skew(minion_version, master_versions)
     findings += check_duplicate_minion_process(opts.get("conf_file") or "", processes)
     if running is not None:
-        findings += check_restart_pending(running, opts)
+        findings += check_restart_pending(running, opts, restart_status)
     log.debug("multimaster.audit: %d findings in %.3fs", len(findings),
               time.monotonic() - started)
     return {

@@ -8,7 +8,8 @@ salt-minion, like the host in the issue.
   command fails (test=True predicts it) and says to restart by hand;
 - ``salt <id> multimaster.audit`` (a real job of the salt-minion daemon)
   reports ``restart_pending`` for the changed option, through either master,
-  and no longer after the minion restarted;
+  and no longer after the minion restarted; a restart command that ran and
+  failed is named there;
 - the salt-master restart of salt.multimaster.master fails the same way.
 """
 
@@ -17,6 +18,8 @@ import pathlib
 import pytest
 import salt.utils.yaml
 import salt.version
+
+from tests.support.cluster import wait_until
 
 pytestmark = pytest.mark.daemons
 
@@ -107,6 +110,32 @@ def test_impossible_restart_fails_and_audit_reports_restart_pending(rsp):
         ret = _audit(rsp, master)
         assert ret.returncode == 0, ret
         assert ret.data["findings"] == [], ret.data
+
+
+def test_failed_background_restart_named_by_the_audit(rsp):
+    """A restart command that runs but fails after the job returned: the audit says so."""
+    minion = rsp.minions[0]
+    status = pathlib.Path(minion.config["cachedir"]) / "multimaster" / \
+        "restart-salt-minion.status"
+    masters = "masters=[{}]".format(", ".join(rsp.expected))
+    ret, state = _single(rsp, "multimaster.minion_config", "multimaster.conf", masters,
+                         "master_alive_interval=25", "restart_cmd=/bin/false",
+                         "restart_delay=0")
+    assert state["result"] is True, state
+    assert state["changes"]["restart"] == "scheduled after this job returns: /bin/false"
+    assert wait_until(status.exists, deadline=60)
+    ret = _audit(rsp, rsp.primary)
+    assert ret.returncode != 0, ret
+    (found,) = _pending(ret)
+    assert "master_alive_interval (running 20, files 25)" in found["message"], found
+    assert found["message"].endswith(
+        "The last restart command scheduled by the multimaster states exited with status 1."
+    ), found
+    rsp.restart(minion)
+    for master in rsp.masters:
+        assert rsp.wait_ping(master, minion.id)
+    ret = _audit(rsp, rsp.primary)
+    assert ret.returncode == 0 and not _pending(ret), ret
 
 
 def test_master_restart_that_cannot_happen_fails(rsp):

@@ -4,6 +4,7 @@ Restarts that cannot happen are failures (issue 15, item 5): the core
 (multimaster.restart_minion) and the states that schedule it.
 """
 
+import time
 from unittest.mock import MagicMock, patch
 
 import pytest
@@ -133,3 +134,32 @@ def test_restart_scheduled_state(minion):  # noqa: F811
                    "changes": {"restart": "scheduled after this job returns: true"},
                    "comment": "Restart of the salt-master requested. The master restarts in "
                               "the background after this job returns."}
+
+
+def test_background_restart_records_its_exit_status(minion, tmp_path):  # noqa: F811
+    """The script leaves the command's exit status where the audit reads it."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    def run_bg(cmd, **kwargs):
+        proc = subprocess.Popen(cmd, shell=True)  # pylint: disable=consider-using-with
+        return {"pid": proc.pid}
+
+    status = tmp_path / "cache" / "multimaster" / "restart-salt-minion.status"
+    with patch.dict(module.__salt__, {"cmd.run_bg": run_bg}), patch.object(
+        module._mm_os, "getpid", return_value=0
+    ):
+        module.restart_minion(cmd="sleep 0; exit 3", delay=0)
+        for _ in range(100):
+            if status.exists():
+                break
+            time.sleep(0.1)
+        assert module._mm_restart_status() == 3
+        # a new restart forgets the old outcome until its own command ran
+        (tmp_path / "cache" / "multimaster" / "restart.pending").unlink(missing_ok=True)
+        module.restart_minion(cmd="sleep 1", delay=0)
+        assert module._mm_restart_status() is None
+        for _ in range(100):
+            if status.exists():
+                break
+            time.sleep(0.1)
+        assert module._mm_restart_status() == 0

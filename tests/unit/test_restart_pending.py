@@ -109,3 +109,14 @@ def test_module_audit_restart_pending(mod, minion_tree):  # noqa: F811
     running["master_alive_interval"] = 30
     ret, context = _audit(mod, minion_tree, running)
     assert ret["result"] is True and ret["findings"] == [], ret
+
+
+def test_failed_restart_command_named():
+    running = _running(master_alive_interval=0)
+    assert audit.check_restart_pending(running, FILES, restart_status=0) == \
+        audit.check_restart_pending(running, FILES)
+    (found,) = audit.check_restart_pending(running, FILES, restart_status=127)
+    assert found["message"].endswith(
+        "master_alive_interval (running 0, files 30). The last restart command scheduled by "
+        "the multimaster states exited with status 127.")
+    assert audit.check_restart_pending(_running(), FILES, restart_status=127) == []
