@@ -22,7 +22,10 @@ Both states restart the minion in the background, after the state run has
 returned, only when they changed something and never in test mode.  The
 restart command is ``salt-call --local service.restart salt-minion`` unless
 the pillar key ``multimaster:minion_restart_cmd`` (or ``restart_cmd``) says
-otherwise; ``restart: False`` turns it off.
+otherwise; ``restart: False`` turns it off.  A restart that cannot happen
+here (no service manager knows salt-minion for the default command, a
+program of the command that is not installed) fails the state, test=True
+too, and the comment says to restart the minion by hand.
 
 The logic lives in the ``multimaster`` execution module
 (``multimaster.minion_config_check``/``_apply``, ``multimaster.master_key_check``
