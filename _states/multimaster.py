@@ -112,31 +112,30 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
     return restart, restart_cmd, restart_delay
 
 
-def _restart_failed(ret, service, reason):
+def _restart_failed(ret, service, reason, test=False):
     """Fill ``ret`` for a restart of ``service`` that cannot happen."""
     import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
 
     pillar_key = ("multimaster:minion_restart_cmd" if service == "salt-minion"
                   else "multimaster:master:restart_cmd")
     ret["result"] = False
-    ret["comment"] += " " + salt_multimaster.restart.failure_comment(service, reason, pillar_key)
+    ret["comment"] += " " + salt_multimaster.restart.failure_comment(
+        service, reason, pillar_key, test=test)
 
 
-def _predict_restart(ret, restart_cmd, restart_delay, service="salt-minion"):
+def _restart_blocker(restart_cmd, restart_delay, service="salt-minion"):
     """
-    test=True: whether the restart would happen; a restart that cannot
-    happen fails the state as it would without test.  True when it can.
+    test=True: why the restart could not happen (the state fails as it
+    would without test), or None when it can.
     """
     try:
         check = __salt__["multimaster.restart_minion"](
             cmd=restart_cmd, delay=restart_delay, service=service, test=True)
     except (CommandExecutionError, SaltInvocationError) as exc:
-        _restart_failed(ret, service, str(exc))
-        return False
+        return str(exc)
     if not check.get("possible", True):
-        _restart_failed(ret, service, check.get("reason"))
-        return False
-    return True
+        return check.get("reason") or "unknown"
+    return None
 
 
 def _schedule_restart(ret, restart, restart_cmd, restart_delay, service="salt-minion"):
@@ -190,10 +189,14 @@ def restart_scheduled(name, cmd=None, delay=None):
         ret["comment"] = f"name must be salt-minion or salt-master, not {name!r}"
         return ret
     if __opts__["test"]:
-        if _predict_restart(ret, cmd, delay, service=name):
-            ret["result"] = None
-            ret["changes"] = {"restart": f"would be scheduled after this job returns ({name})"}
-            ret["comment"] = f"The {name} would restart in the background after this job returns."
+        blocker = _restart_blocker(cmd, delay, service=name)
+        if blocker:
+            _restart_failed(ret, name, blocker, test=True)
+            ret["comment"] = ret["comment"].lstrip()
+            return ret
+        ret["result"] = None
+        ret["changes"] = {"restart": f"would be scheduled after this job returns ({name})"}
+        ret["comment"] = f"The {name} would restart in the background after this job returns."
         return ret
     ret["comment"] = f"Restart of the {name} requested."
     _schedule_restart(ret, True, cmd, delay, service=name)
@@ -273,13 +276,15 @@ def minion_config(
     if __opts__["test"]:
         ret["result"] = None
         ret["changes"] = changes
+        restarts = check["restart_needed"] and restart
+        blocker = _restart_blocker(restart_cmd, restart_delay) if restarts else None
         ret["comment"] = "Multi-master minion config {} would be updated{}.{}".format(
             path,
-            " and the minion restarted" if check["restart_needed"] and restart else "",
+            " and the minion restarted" if restarts and not blocker else "",
             _notes(check),
         )
-        if check["restart_needed"] and restart:
-            _predict_restart(ret, restart_cmd, restart_delay)
+        if blocker:
+            _restart_failed(ret, "salt-minion", blocker, test=True)
         return ret
     try:
         applied = __salt__["multimaster.minion_config_apply"](
@@ -404,11 +409,12 @@ def master_key(
     if __opts__["test"]:
         ret["result"] = None
         ret["changes"] = changes
+        blocker = _restart_blocker(restart_cmd, restart_delay) if restart else None
         ret["comment"] = "Trusted master key {} would be replaced{}.".format(
-            path, " and the minion restarted" if restart else ""
+            path, " and the minion restarted" if restart and not blocker else ""
         )
-        if restart:
-            _predict_restart(ret, restart_cmd, restart_delay)
+        if blocker:
+            _restart_failed(ret, "salt-minion", blocker, test=True)
         return ret
     try:
         applied = __salt__["multimaster.master_key_apply"](**kwargs)

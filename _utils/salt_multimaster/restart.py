@@ -82,10 +82,11 @@ def impossible(cmd, service, which=shutil.which, service_available=None):
     return None
 
 
-def failure_comment(service, reason, pillar_key):
+def failure_comment(service, reason, pillar_key, test=False):
     """The comment of a state whose restart of ``service`` cannot happen."""
     return (
-        f"The {service} was NOT restarted: {reason}. Restart the {service} yourself "
+        f"The {service} {'would NOT be' if test else 'was NOT'} restarted: {reason}. "
+        f"Restart the {service} yourself "
         f"(the new configuration takes effect then), or set pillar {pillar_key} to a "
         "command that restarts it here."
     )

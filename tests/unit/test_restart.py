@@ -99,8 +99,8 @@ def test_minion_config_impossible_restart_fails(minion):  # noqa: F811
             "(the new configuration takes effect then), or set pillar "
             "multimaster:minion_restart_cmd to a command that restarts it here.")
     assert predicted["result"] is False
-    assert predicted["comment"] == (
-        f"Multi-master minion config {dropin} would be updated and the minion restarted." + tail)
+    assert predicted["comment"] == (f"Multi-master minion config {dropin} would be updated."
+                                    + tail.replace("was NOT", "would NOT be"))
     assert ret["result"] is False
     assert ret["comment"] == f"Updated the multi-master minion config {dropin}." + tail
     assert "restart" not in ret["changes"] and ret["changes"]["master"]["new"] == ["m1", "m2"]
@@ -123,7 +123,8 @@ def test_restart_scheduled_state(minion):  # noqa: F811
         "comment": f" The salt-master was NOT restarted: {reason}. Restart the salt-master "
                    "yourself (the new configuration takes effect then), or set pillar "
                    "multimaster:master:restart_cmd to a command that restarts it here."}
-    assert bad == failed
+    assert bad == dict(failed, comment=failed["comment"].strip().replace(
+        "was NOT", "would NOT be"))
     with patch.dict(states.__opts__, {"test": False}):
         ret = states.restart_scheduled("salt-master", cmd="no-such-ctl restart", delay=0)
         assert ret["result"] is False and ret["changes"] == {}
@@ -163,3 +164,37 @@ def test_background_restart_records_its_exit_status(minion, tmp_path):  # noqa: 
                 break
             time.sleep(0.1)
         assert module._mm_restart_status() == 0
+
+
+@pytest.mark.parametrize("test", [True, False])
+def test_master_key_impossible_restart_fails(test):
+    from tests.unit.test_states import _key_check  # pylint: disable=import-outside-toplevel
+
+    reason = "the restart command 'x' cannot run: 'x' not found (PATH of the salt-minion)"
+
+    def restart_minion(test=False, **kwargs):
+        if test:
+            return {"scheduled": False, "possible": False, "reason": reason, "cmd": "x"}
+        raise module._MMCommandExecutionError(reason)
+
+    apply_ = MagicMock(return_value={"written": True, "backup": "/b"})
+    with patch.dict(states.__opts__, {"test": test}), patch.dict(
+        states.__salt__,
+        {"multimaster.master_key_check": MagicMock(return_value=_key_check()),
+         "multimaster.master_key_apply": apply_,
+         "multimaster.restart_minion": restart_minion},
+    ):
+        ret = states.master_key("minion_master.pub", contents="PEM", restart_cmd="x")
+    path = "/etc/salt/pki/minion/minion_master.pub"
+    tail = (f"restarted: {reason}. Restart the salt-minion yourself (the new configuration "
+            "takes effect then), or set pillar multimaster:minion_restart_cmd to a command "
+            "that restarts it here.")
+    assert ret["result"] is False
+    if test:
+        assert ret["comment"] == (f"Trusted master key {path} would be replaced. "
+                                  "The salt-minion would NOT be " + tail)
+        apply_.assert_not_called()
+    else:
+        assert ret["comment"] == (f"Replaced the trusted master key {path}. "
+                                  "The salt-minion was NOT " + tail)
+        assert "restart" not in ret["changes"]
