@@ -190,7 +190,6 @@ try:
 except ImportError:  # pragma: no cover  (reported by __virtual__)
     _MM_CONF = None
 
-_MM_DEFAULT_RESTART_CMD = "salt-call --local service.restart salt-minion"
 _MM_DEFAULT_RESTART_DELAY = 5
 
 
