@@ -95,7 +95,14 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
 
     Checks: master_list, duplicate_master, master_reachable, master_pubkey,
     master_alive_interval, failover_settings, ipc_tcp_ports, version_skew,
-    duplicate_minion_process.
+    duplicate_minion_process, restart_pending.
+
+    restart_pending compares the options of the running salt-minion (this
+    job's ``__opts__``) with its config files, for the settings the formula
+    manages and the master list (a multi-master job only knows its own
+    master: that one must still be in the files).  Through ``salt-call`` the
+    options are read fresh from the files, so it is only checked in a job of
+    the salt-minion daemon (``salt '<id>' multimaster.audit``).
 
     masters
         The expected master list (list or comma separated).  Default: pillar
@@ -151,6 +158,8 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         master_versions=versions,
         topology=topology,
         timeout=timeout,
+        running=dict(__opts__),
+        restart_status=_mm_restart_status(),
     )
     if not ret["result"]:
         __context__["retcode"] = 1
@@ -181,7 +190,6 @@ try:
 except ImportError:  # pragma: no cover  (reported by __virtual__)
     _MM_CONF = None
 
-_MM_DEFAULT_RESTART_CMD = "salt-call --local service.restart salt-minion"
 _MM_DEFAULT_RESTART_DELAY = 5
 
 
@@ -562,23 +570,62 @@ def _mm_pid_alive(pid):
         return True
 
 
-def restart_minion(cmd=None, delay=None):
+def _mm_service_available(service):
+    """Whether this host's service manager knows ``service``; None if unknown."""
+    if "service.available" not in __salt__:
+        return False  # no service module loaded: no service manager here
+    try:
+        return bool(__salt__["service.available"](service))
+    except Exception:  # pylint: disable=broad-except
+        log.debug("multimaster: service.available(%s) failed", service, exc_info=True)
+        return None
+
+
+def _mm_restart_status_path(service="salt-minion"):
+    """Where the background restart of ``service`` leaves its command's exit status."""
+    return _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster",
+                            f"restart-{service}.status")
+
+
+def _mm_restart_status():
+    """The exit status of the last background salt-minion restart command, or None."""
+    try:
+        with open(_mm_restart_status_path(), encoding="utf-8") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     """
     Restart this minion in the background once the current job has returned,
     the way salt-formula does it (a ``bg`` command running
-    ``salt-call --local service.restart salt-minion``).
+    ``salt-call --local service.restart salt-minion``).  The one restart
+    helper of salt-multimaster: ``service=salt-master`` restarts the master
+    of this host the same way (salt.multimaster.master).
 
     The command waits until the job's process has exited (its return is sent
     by then), then ``delay`` more seconds, then runs ``cmd``.  While a restart
     is pending a second call schedules nothing.
 
+    A restart that cannot happen here is an error (CommandExecutionError),
+    never scheduled: a program of ``cmd`` that is not installed, or, for the
+    default command, no service manager that knows ``service``.
+
     cmd
-        The command to run; default pillar ``multimaster:minion_restart_cmd``,
-        else ``salt-call --local service.restart salt-minion``.
+        The command to run; default pillar ``multimaster:minion_restart_cmd``
+        (salt-minion only), else ``salt-call --local service.restart <service>``.
 
     delay
         Seconds to wait after the job exited; default pillar
         ``multimaster:minion_restart_delay``, else 5.
+
+    service
+        ``salt-minion`` (default) or ``salt-master``: what restarts.
+
+    test
+        Only tell whether the restart can happen: returns
+        ``{"scheduled": False, "possible": bool, "reason": str|None, "cmd": str}``.
 
     Returns ``{"scheduled": bool, "pid": int, "cmd": str}``.
 
@@ -587,20 +634,41 @@ def restart_minion(cmd=None, delay=None):
     .. code-block:: bash
 
         salt '*' multimaster.restart_minion
+        salt '*' multimaster.restart_minion test=True
+        salt master01 multimaster.restart_minion service=salt-master
     """
+    import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
+    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
+
+    if service not in ("salt-minion", "salt-master"):
+        raise _MMSaltInvocationError(
+            f"service must be salt-minion or salt-master, not {service!r}")
     pillar = _mm_pillar()
-    cmd = cmd or pillar.get("minion_restart_cmd") or _MM_DEFAULT_RESTART_CMD
+    if service == "salt-minion":
+        cmd = cmd or pillar.get("minion_restart_cmd")
+    cmd = cmd or salt_multimaster.restart.default_cmd(service)
+    if not isinstance(cmd, str) or not cmd.strip():
+        raise _MMSaltInvocationError(f"cmd must be a non-empty command string, not {cmd!r}")
     if delay is None:
         delay = pillar.get("minion_restart_delay", _MM_DEFAULT_RESTART_DELAY)
-    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
 
     try:
         delay = salt_multimaster.validate.delay("delay", delay)
     except salt_multimaster.validate.InvalidInput as exc:
         raise _MMSaltInvocationError(str(exc)) from None
+    available = None
+    if cmd.strip() == salt_multimaster.restart.default_cmd(service):
+        available = _mm_service_available(service)
+    reason = salt_multimaster.restart.impossible(cmd, service, service_available=available)
+    if salt.utils.data.is_true(test):
+        return {"scheduled": False, "possible": reason is None, "reason": reason, "cmd": cmd}
+    if reason:
+        log.error("multimaster: the %s cannot restart: %s", service, reason)
+        raise _MMCommandExecutionError(reason)
     state_dir = _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster")
     _mm_os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    pending = _mm_os.path.join(state_dir, "restart.pending")
+    pending = _mm_os.path.join(
+        state_dir, "restart.pending" if service == "salt-minion" else f"restart-{service}.pending")
     try:
         with open(pending, encoding="utf-8") as fh:
             pending_pid = int(fh.read().strip() or 0)
@@ -616,15 +684,23 @@ def restart_minion(cmd=None, delay=None):
         "p={pid}; i=0; "
         'while [ "$p" -gt 0 ] && [ $i -lt 2400 ] && [ -d /proc/$p ] && '
         "! grep -q ') Z' /proc/$p/stat 2>/dev/null; do sleep 0.25; i=$((i+1)); done; "
-        "sleep {delay}; rm -f {pending}; {cmd}"
-    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd)
+        "sleep {delay}; rm -f {pending}; ({cmd}); "
+        # the outcome, for the audit's restart_pending (a restart that worked
+        # usually ends this script before it gets here)
+        "echo $? > {last}.tmp && mv -f {last}.tmp {last}"
+    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd,
+             last=_mm_quote(_mm_restart_status_path(service)))
+    try:
+        _mm_os.unlink(_mm_restart_status_path(service))
+    except OSError:
+        pass
     ret = __salt__["cmd.run_bg"](script, python_shell=True, cwd="/")
     pid = int(ret.get("pid") or 0)
     try:
         _MM_CONF.atomic_write(pending, f"{pid}\n", mode=0o600)
     except OSError:
         log.warning("multimaster: cannot record the pending restart in %s", pending)
-    log.info("multimaster: minion restart scheduled (pid %s): %s", pid, cmd)
+    log.info("multimaster: %s restart scheduled (pid %s): %s", service, pid, cmd)
     return {"scheduled": True, "pid": pid, "cmd": cmd}
 
 

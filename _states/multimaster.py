@@ -22,7 +22,10 @@ Both states restart the minion in the background, after the state run has
 returned, only when they changed something and never in test mode.  The
 restart command is ``salt-call --local service.restart salt-minion`` unless
 the pillar key ``multimaster:minion_restart_cmd`` (or ``restart_cmd``) says
-otherwise; ``restart: False`` turns it off.
+otherwise; ``restart: False`` turns it off.  A restart that cannot happen
+here (no service manager knows salt-minion for the default command, a
+program of the command that is not installed) fails the state, test=True
+too, and the comment says to restart the minion by hand.
 
 The logic lives in the ``multimaster`` execution module
 (``multimaster.minion_config_check``/``_apply``, ``multimaster.master_key_check``
@@ -109,22 +112,95 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
     return restart, restart_cmd, restart_delay
 
 
-def _schedule_restart(ret, restart, restart_cmd, restart_delay):
+def _restart_failed(ret, service, reason, test=False):
+    """Fill ``ret`` for a restart of ``service`` that cannot happen."""
+    import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
+
+    pillar_key = ("multimaster:minion_restart_cmd" if service == "salt-minion"
+                  else "multimaster:master:restart_cmd")
+    ret["result"] = False
+    ret["comment"] += " " + salt_multimaster.restart.failure_comment(
+        service, reason, pillar_key, test=test)
+
+
+def _restart_blocker(restart_cmd, restart_delay, service="salt-minion"):
+    """
+    test=True: why the restart could not happen (the state fails as it
+    would without test), or None when it can.
+    """
+    try:
+        check = __salt__["multimaster.restart_minion"](
+            cmd=restart_cmd, delay=restart_delay, service=service, test=True)
+    except (CommandExecutionError, SaltInvocationError) as exc:
+        return str(exc)
+    if not check.get("possible", True):
+        return check.get("reason") or "unknown"
+    return None
+
+
+def _schedule_restart(ret, restart, restart_cmd, restart_delay, service="salt-minion"):
     """Schedule the background restart and record it in ``ret``."""
+    what = "minion" if service == "salt-minion" else "master"
     if not restart:
-        ret["comment"] += " The minion must restart to use it (restart: False)."
+        ret["comment"] += f" The {what} must restart to use it (restart: False)."
         return
     try:
-        sched = __salt__["multimaster.restart_minion"](cmd=restart_cmd, delay=restart_delay)
+        sched = __salt__["multimaster.restart_minion"](
+            cmd=restart_cmd, delay=restart_delay, **({} if service == "salt-minion"
+                                                     else {"service": service}))
     except (CommandExecutionError, SaltInvocationError) as exc:
-        ret["result"] = False
-        ret["comment"] += f" Scheduling the minion restart failed: {exc}"
+        _restart_failed(ret, service, str(exc))
         return
     if sched.get("scheduled"):
         ret["changes"]["restart"] = f"scheduled after this job returns: {sched['cmd']}"
-        ret["comment"] += " The minion restarts in the background after this job returns."
+        ret["comment"] += f" The {what} restarts in the background after this job returns."
     else:
-        ret["comment"] += f" A minion restart is already pending (pid {sched.get('pid')})."
+        ret["comment"] += f" A {what} restart is already pending (pid {sched.get('pid')})."
+
+
+def restart_scheduled(name, cmd=None, delay=None):
+    """
+    Restart the salt-minion or salt-master of this host in the background,
+    after the state run returned (``multimaster.restart_minion``).  Use it
+    with ``onchanges``; salt.multimaster.master restarts the primary's
+    salt-master with it.  A restart that cannot happen here (no service
+    manager knows the service for the default command, a program of ``cmd``
+    that is not installed) fails the state, with test=True too.
+
+    name
+        ``salt-minion`` or ``salt-master``.
+
+    cmd
+        The restart command; default ``salt-call --local service.restart <name>``
+        (for salt-minion: pillar ``multimaster:minion_restart_cmd`` first).
+
+    delay
+        Seconds between the end of the job and the restart (default 5).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master01 state.single multimaster.restart_scheduled salt-master
+    """
+    ret = {"name": name, "result": True, "changes": {}, "comment": ""}
+    if name not in ("salt-minion", "salt-master"):
+        ret["result"] = False
+        ret["comment"] = f"name must be salt-minion or salt-master, not {name!r}"
+        return ret
+    if __opts__["test"]:
+        blocker = _restart_blocker(cmd, delay, service=name)
+        if blocker:
+            _restart_failed(ret, name, blocker, test=True)
+            ret["comment"] = ret["comment"].lstrip()
+            return ret
+        ret["result"] = None
+        ret["changes"] = {"restart": f"would be scheduled after this job returns ({name})"}
+        ret["comment"] = f"The {name} would restart in the background after this job returns."
+        return ret
+    ret["comment"] = f"Restart of the {name} requested."
+    _schedule_restart(ret, True, cmd, delay, service=name)
+    return ret
 
 
 def minion_config(
@@ -200,11 +276,15 @@ def minion_config(
     if __opts__["test"]:
         ret["result"] = None
         ret["changes"] = changes
+        restarts = check["restart_needed"] and restart
+        blocker = _restart_blocker(restart_cmd, restart_delay) if restarts else None
         ret["comment"] = "Multi-master minion config {} would be updated{}.{}".format(
             path,
-            " and the minion restarted" if check["restart_needed"] and restart else "",
+            " and the minion restarted" if restarts and not blocker else "",
             _notes(check),
         )
+        if blocker:
+            _restart_failed(ret, "salt-minion", blocker, test=True)
         return ret
     try:
         applied = __salt__["multimaster.minion_config_apply"](
@@ -329,9 +409,12 @@ def master_key(
     if __opts__["test"]:
         ret["result"] = None
         ret["changes"] = changes
+        blocker = _restart_blocker(restart_cmd, restart_delay) if restart else None
         ret["comment"] = "Trusted master key {} would be replaced{}.".format(
-            path, " and the minion restarted" if restart else ""
+            path, " and the minion restarted" if restart and not blocker else ""
         )
+        if blocker:
+            _restart_failed(ret, "salt-minion", blocker, test=True)
         return ret
     try:
         applied = __salt__["multimaster.master_key_apply"](**kwargs)

@@ -34,6 +34,7 @@ CHECKS = (
     "ipc_tcp_ports",
     "version_skew",
     "duplicate_minion_process",
+    "restart_pending",
 )
 SEVERITIES = ("error", "warning", "info")
 TOPOLOGIES = ("shared", "signed")
@@ -743,6 +744,114 @@ def check_duplicate_minion_process(conf_file, processes):
 
 
 # ---------------------------------------------------------------------------
+# restart_pending: the running minion vs its config files
+# ---------------------------------------------------------------------------
+# What a salt-minion reads only when it starts: the settings the formula's
+# drop-in manages (minion_config.SETTINGS).  publish_port and master_port are
+# left out: a running minion takes them from its master's reply and from
+# "host:port" master entries.
+RESTART_COMPARED = (
+    "master_type",
+    "master_alive_interval",
+    "random_master",
+    "master_failback",
+    "master_failback_interval",
+    "retry_dns",
+    "auth_tries",
+    "acceptance_wait_time",
+    "acceptance_wait_time_max",
+    "verify_master_pubkey_sign",
+    "ipc_mode",
+    "tcp_pub_port",
+    "tcp_pull_port",
+)
+
+
+def _running_masters(running, default_port):
+    """
+    ``(entries, complete)``: the masters the running minion was started with,
+    as ``(host, port)``.  A failover minion keeps its whole list
+    (``master_list``); a multi-master (``str``) minion runs one connection per
+    master and a job sees only the master it came from: that one entry,
+    ``complete`` False.
+    """
+    for key in ("master_list", "local_masters"):
+        value = running.get(key)
+        if isinstance(value, (list, tuple)) and value:
+            return [parse_master(m, default_port) for m in master_entries(value)], True
+    entries = master_entries(running.get("master"))
+    complete = not running.get("multimaster")
+    return [parse_master(m, default_port) for m in entries], complete
+
+
+def check_restart_pending(running, files, restart_status=None):
+    """
+    Compare the options of the running salt-minion (``running``: the
+    ``__opts__`` of a job of the salt-minion daemon) with what its config
+    files say (``files``: ``salt.config.minion_config``).  A setting that
+    differs was changed on disk after the minion started, and the minion
+    keeps using the old value until it restarts.
+
+    Compared: the settings in :data:`RESTART_COMPARED`, and the master list:
+    a failover minion's whole list (``master_list``, in order unless
+    random_master shuffled it); a
+    multi-master minion's job only knows the master it came from
+    (``__opts__["master"]`` is that one master), so that master is checked to
+    be in the files' list (a master removed from the files is found, a master
+    added is not); a single-master minion's master exactly.
+
+    ``running`` must come from the daemon: ``salt-call`` starts with fresh
+    options read from the files, so under salt-call (``caller`` set, or a
+    ``__cli`` naming salt-call) or without ``__cli`` (not options of a Salt
+    process) nothing is compared: run the audit through a master,
+    ``salt '<id>' multimaster.audit``.
+
+    ``restart_status``: the exit status of the last background restart
+    command the multimaster states scheduled (None: unknown); a non-zero one
+    is named in the finding.
+
+    Severity ``error``: the rest of the audit reads the files, so with a
+    restart pending its "no findings" describes a configuration the minion
+    does not run (a master_alive_interval of 0 in memory means no failover);
+    operators expect ``salt`` to exit non-zero when a host needs action.
+    Right after a state run that restarts the minion in the background it is
+    expected for the restart delay; audit again after the restart.
+    """
+    cli = str(running.get("__cli") or "")
+    if not cli or running.get("caller") or "call" in cli:
+        return []
+    differ = []
+    for key in RESTART_COMPARED:
+        if key in running and key in files and running[key] != files[key]:
+            differ.append(f"{key} (running {running[key]!r}, files {files[key]!r})")
+    default_port = _as_int(files.get("master_port"), DEFAULT_MASTER_PORT)
+    on_disk = [parse_master(m, default_port) for m in master_entries(files.get("master"))]
+    started, complete = _running_masters(running, default_port)
+    if complete and running.get("random_master"):
+        # a failover minion with random_master shuffled its list at start
+        started, on_disk = sorted(started), sorted(on_disk)
+    if (complete and started != on_disk) or (not complete and not set(started) <= set(on_disk)):
+        differ.append("master (running {}, files {})".format(
+            ", ".join(f"{h}:{p}" for h, p in started) or "none",
+            ", ".join(f"{h}:{p}" for h, p in on_disk) or "none"))
+    if not differ:
+        return []
+    failed = ""
+    if restart_status not in (None, 0):
+        failed = (" The last restart command scheduled by the multimaster states exited "
+                  f"with status {restart_status}.")
+    return [
+        finding(
+            "restart_pending",
+            "error",
+            "The running salt-minion does not use its config files: it started before "
+            "these options changed: {}.{}".format("; ".join(differ), failed),
+            "Restart the salt-minion; the options in its config files take effect then.",
+        )
+    ]
+
+
+# ---------------------------------------------------------------------------
 # The whole audit
 # ---------------------------------------------------------------------------
 def run_audit(
@@ -756,10 +865,15 @@ def run_audit(
     processes=None,
     resolver=None,
     connect=None,
+    running=None,
+    restart_status=None,
 ):
     """
     Run every check over the minion options ``opts`` and return the audit:
     ``{"result", "findings", "masters", "master_finger", "saltversion"}``.
+    ``running``: the running minion's options, for restart_pending (see
+    :func:`check_restart_pending`, with ``restart_status``); None skips
+    that check.
     """
     import salt.version  # pylint: disable=import-outside-toplevel
 
@@ -796,6 +910,8 @@ def run_audit(
     findings += check_ipc_tcp_ports(opts, masters)
     findings += check_version_skew(minion_version, master_versions)
     findings += check_duplicate_minion_process(opts.get("conf_file") or "", processes)
+    if running is not None:
+        findings += check_restart_pending(running, opts, restart_status)
     log.debug("multimaster.audit: %d findings in %.3fs", len(findings),
               time.monotonic() - started)
     return {

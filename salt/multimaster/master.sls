@@ -4,7 +4,8 @@
 # with a reactor on salt/key that replicates minion keys to the peers, the
 # peer_run grant that lets each configured peer pull a sync's bulk, and an
 # optional schedule for a periodic full `multimaster.sync`.  The master
-# restarts in the background (after the state run returned) when it changed.
+# restarts in the background (after the state run returned) when it changed;
+# where it cannot restart (no service manager) the state fails and says so.
 {%- from tpldir ~ "/map.jinja" import multimaster with context %}
 {%- set master = multimaster.master %}
 {%- set master_conf = master.config or salt["config.get"]("multimaster.master_config", "/etc/salt/master") %}
@@ -44,10 +45,13 @@ multimaster-master-file-serialize:
 
 {%- if master.restart %}
 
-multimaster-master-cmd-run:
-  cmd.run:
-    - name: {{ ("sleep " ~ (master.restart_delay | int) ~ "; " ~ master.restart_cmd) | tojson }}
-    - bg: True
+{#- multimaster.restart_scheduled fails (test=True too) when the master cannot
+    restart here: no service manager for the default command, a missing program #}
+multimaster-master-multimaster-restart_scheduled:
+  multimaster.restart_scheduled:
+    - name: salt-master
+    - cmd: {{ master.restart_cmd | tojson }}
+    - delay: {{ master.restart_delay | int }}
     - onchanges:
       - multimaster-master-file-serialize
 {%- endif %}

@@ -282,12 +282,13 @@ def test_master_alive_interval_zero_warns(cluster):
     daemon = minion(cluster, 2)
     with dropin(daemon, "master_alive_interval: 0\n"):
         ret = audit(cluster, daemon, *expected_args(cluster))
-    # a warning only: the audit still passes
-    assert ret.returncode == 0, ret
-    assert ret.data["result"] is True
+    # a warning only; the one error: the running minion still has 10 (not restarted)
+    assert [(f["check"], f["severity"]) for f in ret.data["findings"]] == [
+        ("master_alive_interval", "warning"), ("restart_pending", "error")], ret.data
     found = by_check(ret.data, "master_alive_interval")
-    assert [f["severity"] for f in found] == ["warning"], found
     assert "master_alive_interval" in found[0]["remedy"]
+    assert "master_alive_interval (running 10, files 0)" in \
+        by_check(ret.data, "restart_pending")[0]["message"]
 
 
 def test_master_alive_interval_set(cluster):

@@ -376,7 +376,8 @@ def test_master_sls_installs_reactor(frr):
     assert ok, data
     assert set(_changes(ret)) == {
         "file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin),
-        "cmd_|-multimaster-master-cmd-run_|-sleep 0; true_|-run",
+        "multimaster_|-multimaster-master-multimaster-restart_scheduled_|-salt-master_|-"
+        "restart_scheduled",
     }, data
     # the reactor, and the pull channel for the configured peers (that id only)
     assert salt.utils.yaml.safe_load(dropin.read_text()) == {
