@@ -1237,9 +1237,10 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
                 if primary.get("damaged"):
                     # the peer is no replica of what cannot be read here
                     res["result"] = False
-                    res.setdefault("error", f"{len(primary['damaged'])} damaged or unreadable "
-                                   "source(s) on the primary, their copies on the peer kept: "
-                                   + "; ".join(primary["damaged"][:5]))
+                    msg = (f"{len(primary['damaged'])} damaged or unreadable source(s) on the "
+                           "primary, their copies on the peer kept: "
+                           + "; ".join(primary["damaged"][:5]))
+                    res["error"] = f"{msg}; {res['error']}" if res.get("error") else msg
                 _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1
