@@ -565,13 +565,16 @@ def _apply_master_keys(app, ops, topology):
     os.chmod(pki, fsutil.KEY_DIR_MODE)
     for op in ops:
         try:
+            # the files Salt loads, never through a link leading out of pki_dir
             if op["kind"] == "pem":
                 data = app.open_sealed(op["sealed"], f"master_keys/{op['name']}")
-                app.write(pem_path, data, fsutil.PRIVATE_KEY_MODE, f"master_keys/{op['name']}", op["sha256"])
+                app.write(fsutil.confine(pki, pem_path), data, fsutil.PRIVATE_KEY_MODE,
+                          f"master_keys/{op['name']}", op["sha256"])
             else:
-                app.write(pub_path, op["data"].encode(), 0o644, f"master_keys/{op['name']}", op["sha256"])
+                app.write(fsutil.confine(pki, pub_path), op["data"].encode(), 0o644,
+                          f"master_keys/{op['name']}", op["sha256"])
             report["updated"].append(op["name"])
-        except (CommandExecutionError, OSError, seal.SealError) as exc:
+        except (CommandExecutionError, OSError, ValueError, seal.SealError) as exc:
             report["errors"].append(f"{op['name']}: {exc}")
             report["failed"].append(op["name"])
     return report

@@ -265,3 +265,24 @@ def test_apply_tree_replaces_a_symlinked_file_never_its_target(tmp_path):
     assert (out / "y.sls").read_text() == "outside"
     # the backup is the link itself, not a copy of what it pointed to
     assert os.readlink(os.path.join(app.backup_root, "file_roots", "base", "link.sls")) == str(out / "y.sls")
+
+
+def test_master_keys_never_written_through_a_link_out_of_pki_dir(tmp_path):
+    import hashlib  # pylint: disable=import-outside-toplevel
+
+    peer = _peer_module()
+    pki, out = tmp_path / "pki", tmp_path / "elsewhere"
+    pki.mkdir()
+    out.mkdir()
+    (out / "master.pub").write_text("outside")
+    os.symlink(out / "master.pub", pki / "master.pub")
+    mopts = {"pki_dir": str(pki), "id": "m2_master", "cachedir": str(tmp_path / "cache")}
+    app = peer._Applier(mopts)  # pylint: disable=protected-access
+    data = "-----BEGIN PUBLIC KEY-----\nnew\n-----END PUBLIC KEY-----\n"
+    ops = [{"op": "write", "kind": "pub", "name": "master.pub", "data": data,
+            "sha256": hashlib.sha256(data.encode()).hexdigest()}]
+    report = peer._apply_master_keys(app, ops, "shared")  # pylint: disable=protected-access
+    app.batch.commit()
+    assert report["failed"] == ["master.pub"]
+    assert "outside" in report["errors"][0]
+    assert (out / "master.pub").read_text() == "outside"
