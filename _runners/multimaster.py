@@ -989,6 +989,15 @@ def _sync_ids(conf, peers, ids, test, force):
     for mid in damaged:
         keys.pop(mid, None)
     errors = [str(e) for e in errors]
+    if not keys:
+        # every id asked is damaged here: nothing to send, each peer keeps its copy
+        from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+
+        return {peer: {"result": False, "minion_keys": replicate.empty_report(),
+                       "primary_errors": errors,
+                       "error": "damaged or unreadable on the primary, the peer's copy kept: "
+                                + ", ".join(damaged)}
+                for peer in peers}
     if protocol.payload_size(keys) > conf["inline_limit"]:
         return None  # too large to publish, even sealed: a full minion_keys sync
     rets = _publish(peers, "multimaster_peer.mirror_keys",
