@@ -5,7 +5,7 @@ through the same master, in the same run.
 
 Standalone, real daemons::
 
-    .venv/bin/python bench/bench_audit.py [--minions N] [--repeat N] [--keep]
+    .venv/3008/bin/python bench/bench_audit.py [--minions N] [--repeat N] [--keep]
 
 What it builds (under one short /tmp/mmb-audit-* root, removed at the end):
 a real cluster from ``tests/support/cluster.py`` (salt-factories outside

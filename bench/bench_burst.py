@@ -5,8 +5,8 @@ peer holds every key, and the number of syncs the reactor ran.
 
 Run standalone (it drives pytest and the repository's real-daemon fixtures)::
 
-    .venv/bin/python bench/bench_burst.py              # 300 keys
-    MM_BENCH_BURST=100 .venv/bin/python bench/bench_burst.py
+    .venv/3008/bin/python bench/bench_burst.py              # 300 keys
+    MM_BENCH_BURST=100 .venv/3008/bin/python bench/bench_burst.py
 
 Two cases in the same run, on the same cluster: the baseline
 (``key_event_quiet: 0``: every round syncs what is queued at once, the

@@ -5,8 +5,8 @@ that minion through the peer, with the salt/key reactor of
 
 Run standalone (it drives pytest and the repository's real-daemon fixtures)::
 
-    .venv/bin/python bench/bench_reactor.py            # 20 trials
-    MM_BENCH_TRIALS=40 .venv/bin/python bench/bench_reactor.py
+    .venv/3008/bin/python bench/bench_reactor.py            # 20 trials
+    MM_BENCH_TRIALS=40 .venv/3008/bin/python bench/bench_reactor.py
 
 Each trial: a new minion of both masters whose key is pending on both;
 ``salt-key -a <id> -y`` runs on the primary.  The clock starts at the accept

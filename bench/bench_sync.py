@@ -4,7 +4,7 @@ Benchmark ``salt-run multimaster.sync`` against ``rsync -a --delete`` over ssh.
 
 Standalone, real daemons::
 
-    .venv/bin/python bench/bench_sync.py [--keys N] [--files N] [--size-mb N] [--peers N]
+    .venv/3008/bin/python bench/bench_sync.py [--keys N] [--files N] [--size-mb N] [--peers N]
 
 What it builds (everything under one short /tmp/mmb-* root, removed at the end):
 
