@@ -103,8 +103,12 @@ def test_status_refuses(runner):
         "master_config_keys: 'id' not replicable")
 
 
-def test_salt_pub_kwargs_pass(runner):
+def test_salt_pub_kwargs_pass(runner, tmp_path):
     """Salt's __pub_* keys are not unknown arguments: the sync goes on (and publishes)."""
+    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
+
+    # a real key: a damaged one is never published
+    (tmp_path / "pki" / "minions" / "web01").write_bytes(gen_keypair(1024)[1])
     with pytest.raises(AssertionError, match="published with bad input"):
         runner.sync(minion_ids="web01", __pub_user="root", __pub_jid="1", test="yes")
 
