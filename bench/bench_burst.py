@@ -78,9 +78,13 @@ def test_bench_burst(cluster_factory, capsys):
     master_d.mkdir(exist_ok=True)
     (master_d / "multimaster.conf").write_text(salt.utils.yaml.safe_dump(
         {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
-    # what salt.multimaster.master writes
+    # what salt.multimaster.master writes: the reactor, and the pull channel
+    # (a coalesced sync of hundreds of keys exceeds inline_limit)
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+
     (master_d / "multimaster-reactor.conf").write_text(salt.utils.yaml.safe_dump(
-        {"reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}]}))
+        {"reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}],
+         "peer_run": protocol.peer_run_config([m.id for m in cluster.peer_minions])}))
     cluster.start()
     for pm in cluster.peer_minions:
         assert cluster.wait_ping(cluster.primary, pm.id)
