@@ -11,7 +11,10 @@ publish, no listing of every key).  ``salt-key -A`` fires one event per key:
 the first event syncs its key at once, the ones arriving meanwhile are synced
 together by one more round once the events have stopped for a second (at
 most a minute later), so the last change is never missed and a burst costs
-two syncs.
+two syncs.  A coalesced sync of more keys than fit in ``inline_limit``
+(about a hundred) needs the pull channel that ``salt.multimaster.master``
+grants (``peer_run``); without it that sync is refused, retried, and the
+keys wait for the next full sync.
 """
 
 import fcntl
