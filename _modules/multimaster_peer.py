@@ -604,6 +604,11 @@ def _restart_master():
     """
     import salt.utils.systemd  # pylint: disable=import-outside-toplevel
 
+    # the running master keeps the old keys/config until it restarts: the
+    # next inventory says so (restart_pending) until then
+    fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
+                        f"{time.time()}\n", mode=0o600)
+
     if salt.utils.systemd.booted(__context__) and __salt__["service.available"]("salt-master"):
         __salt__["cmd.run_bg"]("sleep 1; systemctl restart salt-master", python_shell=True)
         return "restarting"
@@ -773,11 +778,6 @@ def _apply(ops, topology, pull_token, pull_chunks, backup_keep):
     )
     for cat in ops:
         ret[cat] = _outcome(ret[cat])
-    if changed_daemon_config:
-        # the running master keeps the old keys/config until it restarts:
-        # the next inventory says so until then
-        fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
-                            f"{time.time()}\n", mode=0o600)
     ret["restart"] = _restart_master() if changed_daemon_config else None
     ret["backup"] = app.backup_root if app.backed_up else None
     try:
@@ -864,8 +864,5 @@ def _restore(backup_name, test):
         daemon_files = any(r.split("/", 1)[0] in ("master_keys", "master_config")
                            for r in ret["restored"])
         ret["restart"] = _restart_master() if daemon_files else None
-        if daemon_files:
-            fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
-                                f"{time.time()}\n", mode=0o600)
     ret["result"] = not ret["errors"]
     return ret

@@ -818,8 +818,7 @@ def _pull(request, caller, jid):
         with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", f"{token}.jids"),
                   "a", encoding="utf-8") as fh:
             fh.write(f"{jid}\n")
-    with open(os.path.join(__opts__["pki_dir"], "minions", caller), encoding="utf-8") as fh:
-        peer_pub = fh.read()
+    peer_pub = _peer_pub(caller)
     # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
     sealed = seal.seal(peer_pub, msgpack.packb(reply, use_bin_type=True), caller,
                        f"pull/{token}", binary=True)
