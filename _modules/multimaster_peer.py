@@ -25,7 +25,7 @@ import salt.utils.yaml
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import (backup, daemon, fsutil, manifest, protocol, replicate, seal,
+    from salt_multimaster import (backup, daemon, fsutil, layout, manifest, protocol, replicate, seal,
                                   validate)
 
     HAS_CORE = True
@@ -64,9 +64,7 @@ def _master_opts():
 
 
 def _state_dir():
-    path = os.path.join(__opts__["cachedir"], "multimaster")
-    fsutil.makedirs(path, mode=0o700)
-    return path
+    return layout.state_dir(__opts__)
 
 
 def _history_path():
@@ -81,26 +79,6 @@ def _read_json(path, default):
             return json.load(fh)
     except (OSError, ValueError):
         return default
-
-
-def _master_key_files(mopts, topology):
-    """The files this peer's master loads for the replicated pair."""
-    pki = mopts["pki_dir"]
-    if topology == "signed":
-        name = mopts.get("master_sign_key_name", "master_sign")
-        return os.path.join(pki, f"{name}.pem"), os.path.join(pki, f"{name}.pub")
-    master_id = mopts["id"].removesuffix("_master")
-    ret = []
-    for ext in ("pem", "pub"):
-        link = os.path.join(pki, f"master.{ext}")
-        by_id = os.path.join(pki, f"{master_id}.{ext}")
-        if os.path.islink(link):
-            ret.append(os.path.realpath(link))
-        elif os.path.exists(by_id):
-            ret.append(by_id)  # Salt 3008 loads <id>.pem/.pub
-        else:
-            ret.append(link)  # Salt 3007, or a master that never started
-    return tuple(ret)
 
 
 def _sha_or_none(path):
@@ -198,7 +176,7 @@ def _inventory(categories, digests, topology, config_keys, test, rescan):
     roots, roots_errors = manifest.read_roots(mopts, categories, state_dir, rescan=rescan)
     for cat in categories:
         if cat == "master_keys":
-            pem, pub = _master_key_files(mopts, topology)
+            pem, pub = layout.master_key_files(mopts, topology)
             ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub),
                         "fingerprint": _fingerprint(pub, mopts)}
             continue
@@ -559,7 +537,7 @@ def _apply_tree(app, cat, ops):
 
 def _apply_master_keys(app, ops, topology):
     report = _report()
-    pem_path, pub_path = _master_key_files(app.mopts, topology)
+    pem_path, pub_path = layout.master_key_files(app.mopts, topology)
     pki = app.mopts["pki_dir"]
     fsutil.makedirs(pki, mode=fsutil.KEY_DIR_MODE)
     os.chmod(pki, fsutil.KEY_DIR_MODE)
@@ -759,7 +737,7 @@ def _apply(ops, topology, pull_token, pull_chunks, backup_keep):
         ops = ops or {}
         try:
             validate.ops(ops)
-            if topology not in replicate.TOPOLOGIES:
+            if topology not in layout.TOPOLOGIES:
                 raise validate.InvalidInput(f"unknown topology {topology!r}")
         except validate.InvalidInput as exc:
             return _refused("multimaster_peer.apply", exc)
@@ -805,7 +783,7 @@ def _restore_target(mopts, rel):
         return manifest.locate_confined(roots, path) or fsutil.safe_join(roots[0], path), None
     if cat == "master_keys":
         topology = "signed" if rest.startswith("master_sign.") else "shared"
-        pem, pub = _master_key_files(mopts, topology)
+        pem, pub = layout.master_key_files(mopts, topology)
         if rest.endswith(".pem"):
             return pem, fsutil.PRIVATE_KEY_MODE
         return pub, 0o644

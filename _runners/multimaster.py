@@ -192,10 +192,10 @@ def _invalid(message):
 
 def _validate(conf, only):
     """Return an error message for bad input, or None."""
-    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import layout, replicate  # pylint: disable=import-outside-toplevel
 
-    if conf["topology"] not in replicate.TOPOLOGIES:
-        return f"unknown topology {conf['topology']!r} (known: {', '.join(replicate.TOPOLOGIES)})"
+    if conf["topology"] not in layout.TOPOLOGIES:
+        return f"unknown topology {conf['topology']!r} (known: {', '.join(layout.TOPOLOGIES)})"
     for cat in only + conf["replicate"]:
         if cat not in replicate.CATEGORIES:
             return f"unknown category {cat!r} (known: {', '.join(replicate.CATEGORIES)})"
@@ -230,11 +230,9 @@ def _peer_errors(peers):
 
 
 def _state_dir():
-    from salt_multimaster import fsutil  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
 
-    path = os.path.join(__opts__["cachedir"], "multimaster")
-    fsutil.makedirs(path, mode=0o700)
-    return path
+    return layout.state_dir(__opts__)
 
 
 def _saved_state(categories):
@@ -336,14 +334,9 @@ def _sha(path):
 
 
 def _primary_master_key_files(topology):
-    pki = __opts__["pki_dir"]
-    if topology == "signed":
-        name = __opts__.get("master_sign_key_name", "master_sign")
-        return os.path.join(pki, f"{name}.pem"), os.path.join(pki, f"{name}.pub")
-    return (
-        os.path.realpath(os.path.join(pki, "master.pem")),
-        os.path.realpath(os.path.join(pki, "master.pub")),
-    )
+    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
+
+    return layout.master_key_files(__opts__, topology)
 
 
 def _client():

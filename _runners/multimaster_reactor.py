@@ -35,9 +35,9 @@ def __virtual__():
 
 
 def _state_dir():
-    path = os.path.join(__opts__["cachedir"], "multimaster")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
+    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
+
+    return layout.state_dir(__opts__)
 
 
 def _record_job(**kwargs):

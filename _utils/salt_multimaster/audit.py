@@ -22,6 +22,8 @@ import re
 import socket
 import time
 
+from salt_multimaster.layout import TOPOLOGIES
+
 log = logging.getLogger(__name__)
 
 CHECKS = (
@@ -37,7 +39,6 @@ CHECKS = (
     "restart_pending",
 )
 SEVERITIES = ("error", "warning", "info")
-TOPOLOGIES = ("shared", "signed")
 DEFAULT_MASTER_PORT = 4506
 DEFAULT_PUBLISH_PORT = 4505
 DEFAULT_CONF_DIR = "/etc/salt"

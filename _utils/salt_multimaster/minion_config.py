@@ -20,6 +20,7 @@ import salt.utils.yaml
 
 from salt_multimaster import finger as _fingers
 from salt_multimaster import fsutil
+from salt_multimaster.layout import TOPOLOGIES  # noqa: F401  (re-exported)
 # one resolver and one fingerprint form for the audit and the states
 from salt_multimaster.audit import normalize_finger, resolve_hosts  # noqa: F401
 
@@ -27,7 +28,6 @@ DEFAULT_MASTER_PORT = 4506
 DROPIN_NAME = "multimaster.conf"
 MASTER_KEY_NAME = "minion_master.pub"
 MASTER_SIGN_KEY_NAME = "master_sign.pub"
-TOPOLOGIES = ("shared", "signed")
 HEADER = (
     "# Managed by Salt (multimaster.minion_config): local changes are replaced.\n"
     "# Master list and high-availability settings of this multi-master minion.\n"

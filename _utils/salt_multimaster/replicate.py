@@ -6,10 +6,10 @@ Pure functions over manifests; nothing here touches disk or Salt.
 """
 
 from salt_multimaster import fsutil
+from salt_multimaster.layout import TOPOLOGIES  # noqa: F401  (re-exported)
 
 CATEGORIES = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
 DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "peer_run")
-TOPOLOGIES = ("shared", "signed")
 
 # Salt checks rejected, then pending, then accepted: write before remove so a
 # key moving between states is never briefly absent (a new, pending key).
