@@ -13,7 +13,7 @@ ifeq ($(wildcard $(CONSTRAINTS)),)
 $(error SALT=$(SALT): no $(CONSTRAINTS); supported lines: 3006 3007 3008)
 endif
 
-.PHONY: test demo venv bench clean
+.PHONY: test demo venv bench docs clean
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,8 @@ $(STAMP): setup.py $(CONSTRAINTS)
 	# Dependencies only, at the exact releases of $(CONSTRAINTS): the tests
 	# build and install the package themselves (a wheel for the pip path, the
 	# repo as file_roots for the sync path).
-	$(PY) -m pip install --quiet -c $(CONSTRAINTS) "salt==$(SALT).*" pyyaml pytest pytest-salt-factories wheel setuptools
+	# Sphinx builds docs/ (make docs, and tests/unit/test_docs.py).
+	$(PY) -m pip install --quiet -c $(CONSTRAINTS) "salt==$(SALT).*" pyyaml pytest pytest-salt-factories wheel setuptools sphinx
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -35,5 +36,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/run.py
 
+# The documentation (reStructuredText in docs/): every warning, a broken
+# reference included, fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -b html docs docs/_build/html
+
 clean:
-	rm -rf .venv build dist *.egg-info .pytest_cache
+	rm -rf .venv build dist *.egg-info .pytest_cache docs/_build
