@@ -94,7 +94,7 @@ def test_add_peer_test_mode_shows_the_plan_and_writes_nothing(grow):
     assert steps["check"]["result"] is True, steps
     assert "not running and its ports are free" in steps["check"]["comment"]
     assert steps["config"]["result"] is None and steps["sync"]["result"] is None, steps
-    assert "master.pem" in steps["sync"]["changes"]["master_keys"]["updated"], steps
+    assert "master.pem" in steps["sync"]["changes"]["master_keys"]["added"], steps
     assert steps["start"]["result"] is None, steps
     assert ret.data["master_entry"] == grow.peer_ip
     # the minions whose pillar lists the new master, config does not
