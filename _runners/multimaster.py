@@ -1546,6 +1546,12 @@ def _mm_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
             for mid, ret in rets.items() if fleet.returned(ret)}
 
 
+def _mm_host(peer, topology, timeout):
+    """The peer host's ``multimaster_peer.host_check`` return (None: no answer)."""
+    return _mm_client_cmd(peer, "multimaster_peer.host_check", kwarg={"topology": topology},
+                          timeout=timeout).get(peer)
+
+
 @contextlib.contextmanager
 def _mm_peers_in_opts(peers):
     """This process's ``multimaster:peers`` set to ``peers`` for the block (test mode)."""
@@ -1686,8 +1692,7 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
     steps = {}
     ret = {"peer": peer, "test": test, "steps": steps, "next_steps": []}
 
-    host = _mm_client_cmd(peer, "multimaster_peer.host_check", kwarg={"topology": topology},
-                          timeout=timeout).get(peer)
+    host = _mm_host(peer, topology, timeout)
     try:
         primary_pub = manifest.sha256_file(layout.master_key_files(__opts__, topology)[1])
     except OSError:
@@ -1774,7 +1779,7 @@ def _mm_start_master(peer, timeout):
     _mm_client_cmd(peer, "service.start", arg=["salt-master"], timeout=timeout)
     end = time.monotonic() + PEER_START_WAIT
     while time.monotonic() < end:
-        host = _mm_client_cmd(peer, "multimaster_peer.host_check", timeout=timeout).get(peer)
+        host = _mm_host(peer, "shared", timeout)
         if isinstance(host, dict) and host.get("master_pid"):
             return {"result": True, "comment": f"salt-master started on {peer} (pid "
                                                f"{host['master_pid']}) with the primary's keys"}
@@ -1812,6 +1817,8 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
         Remove it from the drop-in even while minions still list it.
     tgt, tgt_type
         The minions looked at (default every minion).
+    timeout
+        Seconds to wait for the peer's minion (default 30).
 
     CLI Example:
 
@@ -1837,8 +1844,7 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
                 "there (add_peer did not add it)")
         host = None
         if not address:
-            host = _mm_client_cmd(peer, "multimaster_peer.host_check",
-                                  kwarg={"topology": topology}, timeout=timeout).get(peer)
+            host = _mm_host(peer, topology, timeout)
             if not isinstance(host, dict) or "master_id" not in host:
                 raise membership.MembershipError(
                     f"{peer}'s minion did not say its master's address: pass address=<the "

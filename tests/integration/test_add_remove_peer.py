@@ -68,6 +68,15 @@ def _tree(master):
     return ret
 
 
+def _audit(grow, minion):
+    """The minion's configured masters, and its master_list/master_reachable findings."""
+    ret = grow.salt(grow.primary, "multimaster.audit", minion_tgt=minion.id)
+    assert isinstance(ret.data, dict), ret
+    return ret.data["masters"], [
+        f for f in ret.data["findings"]
+        if f["check"] in ("master_list", "master_reachable") and f["severity"] != "info"]
+
+
 def _error(ret):
     assert ret.returncode != 0, ret
     return str(ret.data.get("error") if isinstance(ret.data, dict) else ret.stdout)
@@ -139,11 +148,8 @@ def test_formula_gives_every_minion_the_new_master(grow):
     assert grow.wait_ping(grow.peers[0], minion.id)
     ret = grow.salt(grow.peers[0], "test.ping", minion_tgt=minion.id)
     assert ret.stdout.count(minion.id) == 1, ret.stdout
-    ret = grow.salt(grow.primary, "multimaster.audit", minion_tgt=minion.id)
-    assert ret.data["masters"] == [grow.primary_ip, grow.peer_ip], ret.data
-    bad = [f for f in ret.data["findings"]
-           if f["check"] in ("master_list", "master_reachable") and f["severity"] != "info"]
-    assert bad == [], ret.data
+    masters, bad = _audit(grow, minion)
+    assert masters == [grow.primary_ip, grow.peer_ip] and bad == [], bad
 
 
 def test_remove_peer_refused_while_a_minion_lists_it(grow):
@@ -177,9 +183,7 @@ def test_remove_peer_once_no_minion_lists_it(grow):
     assert ret.data["steps"]["minions"]["minions"] == {"clean": [minion.id]}, ret.data
     assert not dropin(grow.primary).exists()
     grow.peers[0].terminate()
-    ret = grow.salt(grow.primary, "multimaster.audit", minion_tgt=minion.id)
-    bad = [f for f in ret.data["findings"]
-           if f["check"] in ("master_list", "master_reachable") and f["severity"] != "info"]
-    assert bad == [] and ret.data["masters"] == [grow.primary_ip], ret.data
+    masters, bad = _audit(grow, minion)
+    assert masters == [grow.primary_ip] and bad == [], bad
     ret = grow.salt_run(grow.primary, "multimaster.sync", "test=True")
     assert "no peers" in _error(ret), ret
