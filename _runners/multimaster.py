@@ -1633,6 +1633,15 @@ def _mm_done(ret):
     return ret
 
 
+def _mm_output(fun, ret):
+    """Without ``--out``, salt-run running ``fun`` prints the compact report."""
+    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
+
+    if __opts__.get("output") or __opts__.get("fun") != fun:
+        return ret
+    return {"outputter": "txt", "data": membership.report_rows(ret)}
+
+
 def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kwargs):
     """
     Add a peer master to this primary, step by step, with a report per step:
@@ -1658,7 +1667,10 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
 
     ``test=True`` changes nothing and shows this plan (the sync's own dry
     run included).  ``result`` is False and salt-run exits non-zero when the
-    peer is not a configured replica in service afterwards.
+    peer is not a configured replica in service afterwards.  Without
+    ``--out`` salt-run prints a compact report, a row per step;
+    ``--out=json`` gives the data (``steps``, ``master_entry``,
+    ``next_steps``, ``result``).
 
     peer
         The new master host's minion id.
@@ -1679,6 +1691,11 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
         salt-run multimaster.add_peer master03
         salt-run multimaster.add_peer master03 address=master03.example.com
     """
+    return _mm_output("multimaster.add_peer",
+                      _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs))
+
+
+def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
     from salt_multimaster import layout, manifest, membership  # pylint: disable=import-outside-toplevel
 
     try:
@@ -1806,7 +1823,8 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
     The peer's salt-master is left alone: stop it afterwards (``next_steps``).
     ``test=True`` changes nothing and shows the plan.  ``result`` is False
     and salt-run exits non-zero when a minion still lists the peer or the
-    peer is still configured.
+    peer is still configured.  Without ``--out`` salt-run prints a compact
+    report, a row per step.
 
     peer
         The peer's minion id.
@@ -1827,6 +1845,11 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
         salt-run multimaster.remove_peer master03 test=True
         salt-run multimaster.remove_peer master03
     """
+    return _mm_output("multimaster.remove_peer",
+                      _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs))
+
+
+def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
     from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
 
     try:

@@ -405,3 +405,36 @@ def master_step(check_state, sync_res, test):
                            "the primary's (no service manager restarted it)"}
     return {"result": True, "start": False,
             "comment": "salt-master runs with the primary's master key"}
+
+
+STATUS = {True: "ok", False: "FAILED", None: "would do"}
+
+
+def report_rows(ret, verbose=False):
+    """
+    The compact report of add_peer/remove_peer for ``salt-run`` without
+    ``--out`` (Salt's ``txt`` outputter: ``{label: text}``): one row per
+    step with its status and comment (the sync's categories, the minions'
+    groups), the next steps, then ``retcode``.
+    """
+    from salt_multimaster import report  # pylint: disable=import-outside-toplevel
+
+    if "steps" not in ret:
+        return {"error": ret.get("error"), "retcode": ret.get("retcode", 0)}
+    test = ret.get("test")
+    rows = {"peer": f"{ret.get('peer')} (minions list it as {ret.get('master_entry', '?')})"
+                    + (": test run, nothing changed" if test else "")}
+    for name, step in ret["steps"].items():  # in the order they ran
+        lines = [f"{STATUS[step['result']]}: {step['comment']}"]
+        if name == "sync" and isinstance(step.get("changes"), dict):
+            detail = report.sync_rows({ret["peer"]: step["changes"]}, test, verbose)
+            lines.extend(str(detail.get(ret["peer"], "")).splitlines()[1:])
+        for status, ids in sorted((step.get("minions") or {}).items()):
+            lines.append(f"  {status:<13}{report.names(ids, verbose)}")
+        rows[name] = "\n".join(lines)
+    if ret.get("next_steps"):
+        rows["next"] = "\n".join(f"- {line}" for line in ret["next_steps"])
+    rows["result"] = ("NOT done" if not ret.get("result") else
+                      "planned (test run)" if test else "done")
+    rows["retcode"] = ret.get("retcode", 0)
+    return rows

@@ -270,3 +270,24 @@ def test_runner_refuses_a_main_file_block(runner):
     (runner.conf / "master").write_text("multimaster:\n  peers: [master02]\n")
     ret = runner.add_peer("master03")
     assert "hide your whole multimaster block" in ret["error"], ret
+
+
+def test_report_rows():
+    ret = {"peer": "m3", "test": True, "master_entry": "10.0.0.3", "result": True,
+           "next_steps": ["apply the formula: salt -L a state.apply salt.multimaster"],
+           "steps": {"check": {"result": True, "comment": "ports are free"},
+                     "config": {"result": None, "comment": "would list m3"},
+                     "sync": {"result": None, "comment": "would replicate",
+                              "changes": _sync_res(added=["master.pem", "master.pub"])},
+                     "minions": {"result": True, "comment": "1 minion(s)",
+                                 "minions": {"will_get": ["a"], "pillar_lacks": ["b", "c"]}}}}
+    rows = membership.report_rows(ret)
+    assert list(rows) == ["peer", "check", "config", "sync", "minions", "next", "result",
+                          "retcode"]
+    assert rows["peer"] == "m3 (minions list it as 10.0.0.3): test run, nothing changed"
+    assert rows["sync"].splitlines() == [
+        "would do: would replicate", "  master_keys   2 would add: master.pem, master.pub"]
+    assert rows["minions"].splitlines()[1:] == ["  pillar_lacks b, c", "  will_get     a"]
+    assert rows["result"] == "planned (test run)" and rows["retcode"] == 0
+    assert membership.report_rows({"result": False, "error": "bad", "retcode": 1}) == {
+        "error": "bad", "retcode": 1}
