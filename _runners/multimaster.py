@@ -1750,7 +1750,11 @@ def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
                 "config sets multimaster after master.d?): put back as it was")}
             return _mm_done(ret)
         steps["config"] = {"result": True, "comment": f"{dropin} lists {', '.join(peers)}"}
-        synced = sync(peers=peer)
+        try:
+            synced = sync(peers=peer)
+        except Exception as exc:  # pylint: disable=broad-except
+            log.exception("multimaster: add_peer: the sync of %s failed", peer)
+            synced = {"error": f"{exc.__class__.__name__}: {exc}"}
     res = synced.get(peer) if isinstance(synced, dict) else None
     kept = membership.sync_kept(res, peer)
     steps["sync"] = {"result": (None if test else True) if kept else False,
