@@ -291,3 +291,69 @@ def test_report_rows():
     assert rows["result"] == "planned (test run)" and rows["retcode"] == 0
     assert membership.report_rows({"result": False, "error": "bad", "retcode": 1}) == {
         "error": "bad", "retcode": 1}
+
+
+# ----- the runner's steps, the peer and the minions stubbed ----------------------
+@pytest.fixture
+def flow(runner, tmp_path):
+    """add_peer of master03 (accepted, stopped master) with the calls stubbed."""
+    calls = []
+
+    def client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
+        calls.append(fun)
+        if fun == "multimaster_peer.host_check":
+            return {tgt: _host(interface="10.0.0.3")}
+        if fun == "service.available":
+            return {tgt: "'service.available' is not available."}
+        raise AssertionError(fun)
+
+    runner._mm_client_cmd = client_cmd
+    runner._mm_minions = lambda *args: ({"will_get": ["web01"]}, ["apply the formula"])
+    runner.calls = calls
+    runner.dropin = runner.conf / "master.d" / "multimaster-peers.conf"
+    pem, pub = tmp_path / "pki" / "master.pem", tmp_path / "pki" / "master.pub"
+    pem.write_text("PEM")
+    pub.write_text("PUB")
+    return runner
+
+
+def test_add_peer_test_mode_plans_with_the_peer_and_writes_nothing(flow):
+    seen = {}
+
+    def sync(peers=None, test=False):
+        seen.update(peers=peers, test=test, configured=flow.__opts__["multimaster"]["peers"])
+        return {"master03": _sync_res(daemon.not_running_error("master03", "10.0.0.3:4506"),
+                                      added=["master.pem"])}
+
+    flow.sync = sync
+    ret = flow.add_peer("master03", test=True)
+    assert seen == {"peers": "master03", "test": True, "configured": ["master02", "master03"]}
+    assert flow.__opts__["multimaster"] == {"peers": ["master02"]}
+    assert not flow.dropin.exists()
+    assert ret["result"] is True and "retcode" not in ret, ret
+    assert [s["result"] for s in ret["steps"].values()] == [True, None, None, None, True]
+    assert ret["master_entry"] == "10.0.0.3"
+
+
+def test_add_peer_puts_the_dropin_back_when_the_sync_fails(flow):
+    flow.sync = lambda peers=None, test=False: {
+        "master03": {"result": False, "error": "master03's salt-minion did not answer"},
+        "retcode": 1}
+    ret = flow.add_peer("master03")
+    assert ret["retcode"] == 1 and ret["result"] is False
+    assert ret["steps"]["sync"]["result"] is False
+    assert "put back as it was" in ret["steps"]["config"]["comment"]
+    assert not flow.dropin.exists()
+    assert flow.__opts__["multimaster"]["peers"] == ["master02"]
+
+
+def test_add_peer_configures_and_says_to_start_the_master(flow):
+    flow.sync = lambda peers=None, test=False: {"master03": _sync_res(
+        daemon.not_running_error("master03", "10.0.0.3:4506"), added=["master.pem"])}
+    ret = flow.add_peer("master03")
+    assert membership.read_dropin(str(flow.dropin)) == ["master03"]
+    assert sorted(flow.__opts__["multimaster"]["peers"]) == ["master02", "master03"]
+    assert ret["steps"]["sync"]["result"] is True
+    assert ret["steps"]["start"]["result"] is False
+    assert "start salt-master on master03 now" in ret["steps"]["start"]["comment"]
+    assert ret["retcode"] == 1 and flow.calls[-1] == "service.available"
