@@ -1600,7 +1600,6 @@ def _mm_minions(entry, exclude, tgt, tgt_type, adding):
     import salt.utils.master  # pylint: disable=import-outside-toplevel
     import salt.utils.minions  # pylint: disable=import-outside-toplevel
 
-    from salt_multimaster import audit as mm_audit  # pylint: disable=import-outside-toplevel
     from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
 
     found = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
@@ -1615,13 +1614,8 @@ def _mm_minions(entry, exclude, tgt, tgt_type, adding):
     pillars = salt.utils.master.MasterPillarUtil(
         minions, "list", use_cached_grains=True, grains_fallback=False,
         use_cached_pillar=True, pillar_fallback=False, opts=__opts__).get_minion_pillar()
-    cached = {}
-    for mid, pillar in (pillars or {}).items():
-        value = ((pillar or {}).get("multimaster") or {}).get("masters") \
-            if isinstance(pillar, dict) else None
-        if value is not None and mid in minions:
-            cached[mid] = mm_audit.master_entries(value)
-    rows = membership.minion_rows(entry, minions, current, cached, adding)
+    rows = membership.minion_rows(entry, minions, current,
+                                  membership.pillar_masters(pillars, minions), adding)
     return rows, membership.next_steps(rows, entry, adding)
 
 

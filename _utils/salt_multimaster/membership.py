@@ -289,6 +289,17 @@ def minion_rows(entry, minions, current, pillars, adding):
     return rows
 
 
+def pillar_masters(pillars, minions):
+    """``{id: multimaster:masters}`` of ``minions`` from their cached pillars (where set)."""
+    ret = {}
+    for mid, pillar in (pillars or {}).items():
+        conf = pillar.get("multimaster") if isinstance(pillar, dict) else None
+        value = conf.get("masters") if isinstance(conf, dict) else None
+        if value is not None and mid in minions:
+            ret[mid] = audit.master_entries(value)
+    return ret
+
+
 ADD_NEXT = {
     "will_get": "apply the formula: salt -L {ids} state.apply salt.multimaster",
     "pillar_lacks": "add {entry} to pillar multimaster:masters for {ids}, "

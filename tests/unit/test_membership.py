@@ -357,3 +357,11 @@ def test_add_peer_configures_and_says_to_start_the_master(flow):
     assert ret["steps"]["start"]["result"] is False
     assert "start salt-master on master03 now" in ret["steps"]["start"]["comment"]
     assert ret["retcode"] == 1 and flow.calls[-1] == "service.available"
+
+
+def test_pillar_masters():
+    pillars = {"a": {"multimaster": {"masters": ["m1", "m2"]}}, "b": {"multimaster": "x"},
+               "c": {}, "d": None, "e": {"multimaster": {"masters": "m1"}},
+               "other": {"multimaster": {"masters": ["m1"]}}}
+    assert membership.pillar_masters(pillars, ["a", "b", "c", "d", "e"]) == {
+        "a": ["m1", "m2"], "e": ["m1"]}
