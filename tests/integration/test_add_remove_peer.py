@@ -15,7 +15,7 @@ import stat
 
 import pytest
 
-from tests.support.cluster import master_key_paths
+from tests.support.cluster import gen_keypair, master_key_paths
 from tests.support.grow import dropin, start_primary_only, write_pillar
 
 pytestmark = pytest.mark.daemons
@@ -83,7 +83,12 @@ def _error(ret):
 
 
 def test_bad_input_is_refused_by_name(grow):
+    pending = grow.pki_dir(grow.primary) / "minions_pre" / "adp-pending"
+    pending.parent.mkdir(exist_ok=True)
+    pending.write_bytes(gen_keypair(1024)[1])
     before = _tree(grow.primary)
+    ret = grow.salt_run(grow.primary, "multimaster.add_peer", "adp-pending")
+    assert "accept it with salt-key -a adp-pending" in _error(ret), ret
     ret = grow.salt_run(grow.primary, "multimaster.add_peer", "nosuch-host")
     assert "'nosuch-host' is not an accepted minion" in _error(ret), ret
     ret = grow.salt_run(grow.primary, "multimaster.add_peer", grow.primary.id)
@@ -93,6 +98,7 @@ def test_bad_input_is_refused_by_name(grow):
     ret = grow.salt_run(grow.primary, "multimaster.remove_peer", grow.peer_id)
     assert f"'{grow.peer_id}' is no peer of this primary" in _error(ret), ret
     assert _tree(grow.primary) == before
+    pending.unlink()
 
 
 def test_add_peer_test_mode_shows_the_plan_and_writes_nothing(grow):
