@@ -844,3 +844,30 @@ def _restore(backup_name, test):
         ret["restart"] = _restart_master() if daemon_files else None
     ret["result"] = not ret["errors"]
     return ret
+
+
+# ---------------------------------------------------------------------------
+# Membership (salt-run multimaster.add_peer / remove_peer): the new peer
+# host's check.  Logic in salt_multimaster.membership.
+# ---------------------------------------------------------------------------
+def host_check(topology="shared"):
+    """
+    Report, changing nothing, whether this host can become a peer master:
+    its master's id and config file (``multimaster.master_config``),
+    interface and ports, whether something listens on them, the running
+    salt-master's pid (none: never started or stopped) and the sha256 of
+    the master public key it serves for ``topology``.  ``salt-run
+    multimaster.add_peer`` calls it first.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master02 multimaster_peer.host_check
+    """
+    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
+
+    if topology not in layout.TOPOLOGIES:
+        return _refused("multimaster_peer.host_check",
+                        f"unknown topology {topology!r} (known: {', '.join(layout.TOPOLOGIES)})")
+    return membership.host_report(_master_opts(), __grains__, topology)

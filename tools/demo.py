@@ -186,6 +186,60 @@ def operators_day(cluster, primary, peer, peer_minion):
     print(f"    ... and its deletion too: demo-new1 gone from the peer: {gone}")
 
 
+def add_peer_act(cluster, factories, primary):
+    """
+    A third master joins: its host's minion is a minion of the primary, its
+    salt-master installed and never started.  The pillar names it, add_peer
+    checks the host, places the keys before its first start and configures
+    it, and the formula gives every minion the new master.
+    """
+    # pylint: disable=import-outside-toplevel
+    import salt.utils.yaml
+
+    from tests.support.cluster import PUBLISH_PORT, RET_PORT, _noop_auth_event
+
+    address = f"{cluster.prefix}.4"
+    new = factories.salt_master_daemon(
+        "demo-peer2", on_auth_event_callback=_noop_auth_event, start_timeout=120,
+        overrides={"interface": address, "publish_port": PUBLISH_PORT, "ret_port": RET_PORT})
+    new_minion = cluster._minion(  # pylint: disable=protected-access
+        "demo-peer2", [primary], {"multimaster.master_config": str(new.config_file)})
+    cluster.seed_key(primary, new_minion)
+    cluster.peers.append(new)
+    cluster.peer_minions.append(new_minion)
+    say(f"A new master host joins: its minion demo-peer2 (accepted on the primary) and a "
+        f"salt-master installed on {address}, never started.  First the pillar lists it:")
+    new_minion.start()
+    cluster.wait_ping(primary, new_minion.id)
+    pillar = cluster.file_root(primary, kind="pillar_roots") / "multimaster.sls"
+    data = salt.utils.yaml.safe_load(pillar.read_text())
+    data["multimaster"]["masters"].append(address)
+    pillar.write_text(salt.utils.yaml.safe_dump(data))
+    print(f"    multimaster:masters: {data['multimaster']['masters']}")
+    cluster.salt(primary, "saltutil.refresh_pillar", "wait=True", minion_tgt="demo-minion*")
+
+    say("The plan (test=True changes nothing): which minions will get the new master.")
+    plain(primary, "multimaster.add_peer", "demo-peer2", "test=True")
+    say("Adding it: the keys are placed before its first start (no service manager in "
+        "this sandbox, so add_peer says to start it and exits non-zero).")
+    plain(primary, "multimaster.add_peer", "demo-peer2")
+    new.start()
+    plain(primary, "multimaster.status", "peers=demo-peer2")
+
+    say("The formula gives every minion the new master; they restart to load it.")
+    ret = cluster.salt(primary, "state.apply", "salt.multimaster",
+                       minion_tgt="demo-minion*", timeout=180)
+    print(f"    state.apply exit code {ret.returncode}")
+    for minion in cluster.minions:
+        cluster.restart(minion)
+    for minion in cluster.minions:
+        cluster.wait_ping(new, minion.id, deadline=120)
+    ok, ret = answers(cluster, new)
+    show(f"salt -c {new.config_dir} 'demo-minion*' test.ping", ret)
+    print(f"    {len(ok)} of 3 minions answer the new master.")
+    return len(ok) == 3
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--keep", action="store_true", help="keep the sandbox directory")
@@ -223,7 +277,7 @@ def main():
             # channel that carries a sync's bulk point-to-point
             from salt_multimaster import protocol
             dropin.write_text(f"multimaster:\n  peers: [{peer_minion.id}]\n"
-                              + protocol.peer_run_snippet([peer_minion.id]) + "\n")
+                              + protocol.peer_run_snippet([peer_minion.id, "demo-peer2"]) + "\n")
             # what salt.multimaster.master writes: the salt/key reactor
             (dropin.parent / "multimaster-reactor.conf").write_text(
                 "reactor:\n- salt/key:\n  - salt://salt/multimaster/reactor/key.sls\n")
@@ -271,12 +325,14 @@ def main():
 
             audit_and_formula(cluster, primary, peer)
 
+            grown = add_peer_act(cluster, factories, primary)
+
             say("The primary goes down; the peer still reaches every minion:")
             primary.terminate()
             ok, ret = answers(cluster, peer)
             show(f"salt -c {peer.config_dir} 'demo-minion*' test.ping", ret)
             print(f"    {len(ok)} of 3 minions answer the peer with the primary stopped.")
-            demo_ok = len(ok) == 3
+            demo_ok = len(ok) == 3 and grown
     finally:
         say("Stopping every daemon and removing the sandbox.")
         if cluster is not None:
