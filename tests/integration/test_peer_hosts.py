@@ -7,26 +7,12 @@ the primary's master key but holding no minion key: after one
 peer finds every minion and nothing wrong.
 """
 
-import json
 import pathlib
 
 import pytest
 import salt.utils.yaml
 
 pytestmark = pytest.mark.daemons
-
-
-def _write_pillar(master, masters, finger):
-    """The formula's contract pillar, for every minion, in the master's pillar_roots."""
-    root = pathlib.Path(master.config["pillar_roots"]["base"][0])
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "top.sls").write_text("base:\n  '*':\n    - multimaster\n")
-    (root / "multimaster.sls").write_text(
-        "multimaster:\n"
-        f"  masters: {json.dumps(masters)}\n"
-        f"  master_finger: '{finger}'\n"
-        "  topology: shared\n"
-    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +28,9 @@ def cluster(cluster_factory):
 
     def pillar(started):
         # on the primary only: the sync carries it to the peers
-        _write_pillar(started.primary, [m.config["interface"] for m in started.masters],
-                      started.master_fingerprint(started.primary))
+        started.write_contract_pillar(
+            started.primary, "*", [m.config["interface"] for m in started.masters],
+            started.master_fingerprint(started.primary))
 
     cluster.start(before_minions=pillar)
     for minion in cluster.all_minions:

@@ -35,6 +35,7 @@ import time
 
 import salt.config
 import salt.payload
+import salt.utils.yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from pytestshellutils.exceptions import FactoryTimeout
@@ -372,6 +373,19 @@ class Cluster:
                 else {}
             )
         return ret
+
+    @staticmethod
+    def write_contract_pillar(master, tgt, masters, finger, topology="shared"):
+        """
+        The formula's contract pillar (``multimaster:masters``,
+        ``master_finger``, ``topology``) for the minions ``tgt`` matches, in
+        ``master``'s first base pillar root (its top file included).
+        """
+        root = pathlib.Path(master.config["pillar_roots"]["base"][0])
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "top.sls").write_text(f"base:\n  '{tgt}':\n    - multimaster\n")
+        (root / "multimaster.sls").write_text(salt.utils.yaml.safe_dump({"multimaster": {
+            "masters": list(masters), "master_finger": finger, "topology": topology}}))
 
     @staticmethod
     def file_root(master, saltenv="base", kind="file_roots"):
