@@ -12,7 +12,6 @@ while the minion runs, then removed.
 """
 
 import contextlib
-import json
 import os
 import pathlib
 import signal
@@ -41,18 +40,6 @@ def _pub_pem():
     )
 
 
-def _write_pillar(master, masters, finger):
-    root = pathlib.Path(master.config["pillar_roots"]["base"][0])
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "top.sls").write_text(f"base:\n  '{PILLAR_MINIONS}':\n    - multimaster\n")
-    (root / "multimaster.sls").write_text(
-        "multimaster:\n"
-        f"  masters: {json.dumps(masters)}\n"
-        f"  master_finger: '{finger}'\n"
-        "  topology: shared\n"
-    )
-
-
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
     cluster = cluster_factory(
@@ -63,7 +50,7 @@ def cluster(cluster_factory):
     expected = [cluster.primary.config["interface"], cluster.peers[0].config["interface"]]
     finger = cluster.master_fingerprint(cluster.primary)
     for master in cluster.masters:
-        _write_pillar(master, expected, finger)
+        cluster.write_contract_pillar(master, PILLAR_MINIONS, expected, finger)
     for minion in cluster.all_minions:
         assert cluster.wait_ping(cluster.primary, minion.id)
     ret = cluster.salt(cluster.primary, "saltutil.refresh_pillar", "wait=True")
@@ -454,14 +441,15 @@ def test_fleet_report_lists_failures_and_missing_minions(cluster):
 
 
 def test_fleet_report_through_the_peer(cluster):
-    # the peer's own minion is a minion of the primary only: on the peer it
-    # is not targeted (its key is not there), the other minions are
+    # every minion lists every master, the peer's own minion included
+    # (docs/layout.rst): all of them answer the peer
     peer = cluster.peers[0]
-    assert cluster.wait_ping(peer, minion(cluster, 3).id)
+    for daemon in cluster.all_minions:
+        assert cluster.wait_ping(peer, daemon.id)
     ret = cluster.salt_run(peer, "multimaster.audit", "--out=json")
     assert ret.returncode == 0, ret
     assert ret.data["master"] == peer.id
-    assert sorted(ret.data["minions"]) == sorted(m.id for m in cluster.minions)
+    assert sorted(ret.data["minions"]) == sorted(m.id for m in cluster.all_minions)
     assert ret.data["missing"] == []
 
 

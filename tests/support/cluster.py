@@ -5,9 +5,16 @@ Layout (one cluster):
 
 * ``primary``: a salt-master on ``<prefix>.2`` (default ports 4505/4506);
 * ``peers``: N salt-masters on ``<prefix>.3``, ``<prefix>.4`` ... (same ports);
-* ``peer_minions``: one salt-minion per peer host, a minion of the primary only,
-  whose ``multimaster.master_config`` points at that peer's master config;
-* ``minions``: M salt-minions whose ``master`` option lists every master.
+* ``peer_minions``: one salt-minion per peer host (the minion id is the peer's
+  name in ``multimaster:peers``) whose ``multimaster.master_config`` points at
+  that peer's master config;
+* ``minions``: M salt-minions.
+
+Every minion, a peer host's included, lists every master (``masters`` order:
+primary first), the supported layout (docs/layout.rst): a peer host's minion
+answers every master like any other, and the runner still reaches it from the
+primary.  Its key is accepted on the primary; on the peers too unless
+``accept_on_peers=False`` (fresh peers, to which a sync carries every key).
 
 Each cluster gets its own random ``127.x.y.0/24`` prefix so that clusters of
 concurrent test sessions never share an address.  Masters never auto-accept
@@ -28,6 +35,7 @@ import time
 
 import salt.config
 import salt.payload
+import salt.utils.yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from pytestshellutils.exceptions import FactoryTimeout
@@ -200,7 +208,7 @@ class Cluster:
         self.peer_minions = [
             self._minion(
                 f"{name}-peer{i + 1}",
-                [self.primary],
+                self.masters,
                 {"multimaster.master_config": str(peer.config_file)},
             )
             for i, peer in enumerate(self.peers)
@@ -289,9 +297,7 @@ class Cluster:
         Start primary, peers (sharing keys if asked), then all minions;
         ``before_minions(cluster)`` runs once the masters are up.
         """
-        for minion in self.peer_minions:
-            self.seed_key(self.primary, minion)
-        for minion in self.minions:
+        for minion in self.all_minions:
             self.seed_key(self.primary, minion)
             if self.accept_on_peers:
                 for peer in self.peers:
@@ -367,6 +373,19 @@ class Cluster:
                 else {}
             )
         return ret
+
+    @staticmethod
+    def write_contract_pillar(master, tgt, masters, finger, topology="shared"):
+        """
+        The formula's contract pillar (``multimaster:masters``,
+        ``master_finger``, ``topology``) for the minions ``tgt`` matches, in
+        ``master``'s first base pillar root (its top file included).
+        """
+        root = pathlib.Path(master.config["pillar_roots"]["base"][0])
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "top.sls").write_text(f"base:\n  '{tgt}':\n    - multimaster\n")
+        (root / "multimaster.sls").write_text(salt.utils.yaml.safe_dump({"multimaster": {
+            "masters": list(masters), "master_finger": finger, "topology": topology}}))
 
     @staticmethod
     def file_root(master, saltenv="base", kind="file_roots"):

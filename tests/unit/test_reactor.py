@@ -4,6 +4,7 @@ master's reactor does) and the coalescing runner behind it.
 """
 
 import importlib.util
+import os
 import threading
 import time
 from unittest.mock import patch
@@ -161,14 +162,106 @@ def test_key_event_event_after_release_is_not_lost(tmp_path):
     assert ret["syncs"] == 2 and calls == [["a"], ["b"]]
 
 
-def test_key_event_window_absorbs_burst(tmp_path):
-    calls = []
-    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(time.time()) or {})
-    slept = []
-    with patch.object(mod.time, "sleep", slept.append):
-        assert mod.key_event(act="accepted")["syncs"] == 1
-        assert mod.key_event(act="accepted", window=0.5)["syncs"] == 1
-    assert slept == [0.5]
+class _Clock:
+    """
+    A fake ``time`` for the runner: ``sleep`` advances ``now`` and delivers
+    the key events scheduled until then through the real ``key_event`` (they
+    are queued: the sync running holds the lock), stamping the queue file
+    with the fake time of their arrival, as the real clock would.
+    """
+
+    def __init__(self, mod, tmp_path, events=()):
+        self.mod = mod
+        self.queue = tmp_path / "multimaster" / "key-sync.pending"
+        self.now = 1000.0
+        self.events = sorted(events)  # [(at, minion_id)]
+        self.delivered = []
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        assert seconds >= 0
+        self.now += seconds
+        while self.events and self.events[0][0] <= self.now:
+            at, mid = self.events.pop(0)
+            assert self.mod.key_event(act="accepted", minion_id=mid)["queued"] is True
+            os.utime(self.queue, (at, at))
+            self.delivered.append(mid)
+
+
+SYNC_SECONDS = 1.0
+
+
+def _clocked_runner(tmp_path, events, opts=None):
+    """
+    The runner on a fake clock; each sync takes ``SYNC_SECONDS`` (events
+    arrive meanwhile) and is recorded as ``(fake start time, ids)``.
+    """
+    syncs = []
+
+    def sync(only, minion_ids):
+        syncs.append((clock.now, minion_ids))
+        clock.sleep(SYNC_SECONDS)
+        return {}
+
+    mod = _runner(tmp_path, sync)
+    mod.__opts__.update(opts or {})
+    clock = _Clock(mod, tmp_path, events)
+    return mod, clock, syncs
+
+
+def test_key_event_window_delays_the_sync_to_cover_the_burst(tmp_path):
+    """With a window, the events arriving within it ride the same sync."""
+    mod, clock, syncs = _clocked_runner(tmp_path, [(1000.2, "b"), (1000.4, "c"), (1000.9, "d")])
+    with patch.object(mod, "time", clock):
+        ret = mod.key_event(act="accepted", minion_id="a", window=0.5)
+    assert ret == {"queued": False, "syncs": 2, "result": True, "last": {}}
+    # a, b and c in the first sync, after the window; d, which came during
+    # that sync, in a second one
+    assert syncs == [(1000.5, ["a", "b", "c"]), (syncs[1][0], ["d"])]
+    assert clock.delivered == ["b", "c", "d"]
+
+
+def test_key_event_first_sync_at_once_then_waits_for_quiet(tmp_path):
+    """
+    Without a window the first event syncs at once; the events arriving
+    meanwhile and after it are taken together once none came for
+    ``key_event_quiet`` seconds (from the master config).
+    """
+    events = [(1000.0, "b"), (1000.5, "c"), (1001.5, "d"), (1002.3, "e")]
+    mod, clock, syncs = _clocked_runner(
+        tmp_path, events, {"multimaster": {"key_event_quiet": 2, "key_event_max_wait": 60}})
+    with patch.object(mod, "time", clock):
+        assert mod.key_event(act="accepted", minion_id="a")["syncs"] == 2
+    assert syncs[0] == (1000.0, ["a"])
+    at, ids = syncs[1]
+    assert ids == ["b", "c", "d", "e"]
+    # not before the events had stopped for 2 s (e came at 1002.3), and
+    # without waiting for the max_wait bound
+    assert 1004.3 <= at < 1004.6
+
+
+def test_key_event_max_wait_bounds_a_never_ending_burst(tmp_path):
+    """
+    Events every 0.5 s for 10 s never leave ``quiet`` seconds: each later sync
+    still starts ``max_wait`` seconds after the previous one ended, with what
+    was queued so far, and the last one once the events stopped for
+    ``quiet`` seconds.  Every key is synced once, in order.
+    """
+    events = [(1000.0 + 0.5 * i, f"m{i:02d}") for i in range(21)]  # 1000.0 .. 1010.0
+    mod, clock, syncs = _clocked_runner(tmp_path, events)
+    with patch.object(mod, "time", clock):
+        ret = mod.key_event(act="accepted", minion_id="a", quiet=1, max_wait=3)
+    assert ret["result"] is True and ret["syncs"] == len(syncs) == 4, syncs
+    starts = [at for at, _ in syncs]
+    assert starts[0] == 1000.0
+    waits = [b - (a + SYNC_SECONDS) for a, b in zip(starts, starts[1:])]
+    # the burst is still running: max_wait (3 s) ends the second and third wait
+    assert all(3.0 <= w < 3.25 for w in waits[:2]), waits
+    # the events stopped at 1010.0: the last sync waits for quiet (1 s) only
+    assert 1011.0 <= starts[3] < 1011.25, starts
+    assert [mid for _, ids in syncs[1:] for mid in ids] == [mid for _, mid in events]
 
 
 @pytest.mark.parametrize("mid", ["x\n*", "*", "web?", "a b", "[ab]", "a/b", ""])
