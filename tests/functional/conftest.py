@@ -12,10 +12,20 @@ import socket
 
 import pytest
 import salt.config
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from saltfactories.utils.functional import Loaders
 
 from tests.conftest import REPO
 
+
+
+def new_pub():
+    """A new RSA public key, PEM text (a master key's public half)."""
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode()
 
 
 @pytest.fixture(scope="module")

@@ -4,29 +4,13 @@ mode predicts without writing (result None), applying converges, a second run
 changes nothing, bad input fails and writes nothing.
 """
 
-import time
-
 import pytest
 import salt.config
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+
+from tests.functional.conftest import new_pub as _pub
+from tests.support.cluster import wait_until
 
 from salt_multimaster import finger
-
-
-def _pub():
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
-
-
-def _wait_for(path):
-    for _ in range(100):
-        if path.exists():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 MASTERS = ["127.0.0.2", "127.0.0.2:4506", "127.0.0.3"]
@@ -52,7 +36,7 @@ def test_minion_config_predicts_then_converges(mm_state, minion, tmp_path):
     assert applied.changes == dict(
         predicted.changes, restart=f"scheduled after this job returns: touch {marker}")
     assert minion["dropin"].read_text().startswith("# Managed by Salt")
-    assert _wait_for(marker)
+    assert wait_until(marker.exists, deadline=10, step=0.1)
     # Salt reads the drop-in with the main file
     opts = salt.config.minion_config(str(minion["conf_file"]), minion_id="x")
     assert opts["master"] == ["127.0.0.2", "127.0.0.3"] and opts["master_alive_interval"] == 45
@@ -168,7 +152,7 @@ def test_restart_scheduled(mm_state, minion, tmp_path):
     ret = mm_state.restart_scheduled(name="salt-master", cmd=f"touch {marker}", delay=0)
     assert ret.result is True
     assert ret.changes == {"restart": f"scheduled after this job returns: touch {marker}"}
-    assert _wait_for(marker)
+    assert wait_until(marker.exists, deadline=10, step=0.1)
     bad = mm_state.restart_scheduled(name="salt-api")
     assert bad.result is False and bad.comment == (
         "name must be salt-minion or salt-master, not 'salt-api'")

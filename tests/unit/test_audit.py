@@ -21,6 +21,7 @@ import salt_multimaster.audit as audit
 import salt_multimaster.fleet as fleet
 from salt_multimaster import finger as finger_mod
 from salt_multimaster import masters, minion_config
+from tests.unit.test_masters import fake_resolver
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 VERSION = salt.version.__version__
@@ -45,15 +46,6 @@ def _pub_pem():
     return key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-
-
-def fake_resolver(table):
-    def resolve(name):
-        if name not in table:
-            raise OSError("Name or service not known")
-        return set(table[name])
-
-    return resolve
 
 
 # ----- master_list ------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 from salt.exceptions import CommandExecutionError
 
 from salt_multimaster import restart as core
+from tests.support.cluster import wait_until
 from tests.unit.test_states import configure_loader_modules, states  # noqa: F401  pylint: disable=unused-import
 
 DEFAULT = "salt-call --local service.restart salt-minion"
@@ -60,14 +61,6 @@ def _run_bg(script):
     return subprocess.Popen(script, shell=True).pid  # pylint: disable=consider-using-with
 
 
-def _wait_for(path):
-    for _ in range(100):
-        if path.exists():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture
 def opts(tmp_path):
     return {"cachedir": str(tmp_path / "cache"), "multiprocessing": True}
@@ -95,17 +88,17 @@ def test_schedule_runs_after_the_job_once(opts, tmp_path):
     time.sleep(0.5)
     assert not marker.exists()  # the "job" still runs
     job.wait()
-    assert _wait_for(marker)
+    assert wait_until(marker.exists, deadline=10, step=0.1)
 
 
 def test_schedule_records_the_exit_status(opts, tmp_path):
     status = tmp_path / "cache" / "multimaster" / "restart-salt-minion.status"
     core.schedule(opts, _run_bg, "sleep 0; exit 3", 0, wait_pid=0)
-    assert _wait_for(status) and core.last_status(opts) == 3
+    assert wait_until(status.exists, deadline=10, step=0.1) and core.last_status(opts) == 3
     # a new restart forgets the old outcome until its own command ran
     core.schedule(opts, _run_bg, "sleep 1", 0, wait_pid=0)
     assert core.last_status(opts) is None
-    assert _wait_for(status) and core.last_status(opts) == 0
+    assert wait_until(status.exists, deadline=10, step=0.1) and core.last_status(opts) == 0
     assert core.pending(opts) == 0
 
 
