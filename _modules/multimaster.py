@@ -66,10 +66,10 @@ def _pillar():
 
 
 def _expected(kwarg_value, pillar_key, default=None):
-    """A keyword argument, else the pillar value (read unmasked from __pillar__)."""
+    """A keyword argument, else the ``multimaster:<pillar_key>`` pillar value."""
     if kwarg_value is not None and kwarg_value != "":
         return kwarg_value
-    value = salt.utils.data.traverse_dict_and_list(__pillar__, pillar_key, None)
+    value = _pillar().get(pillar_key)
     return default if value is None else value
 
 
@@ -144,8 +144,8 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         salt '*' multimaster.audit masters=master01,master02 master_finger='4a:7f:...'
         salt '*' multimaster.audit master_version=3008.3 topology=signed
     """
-    expected_masters = master_entries.split_list(_expected(masters, "multimaster:masters"))
-    topology = str(_expected(topology, "multimaster:topology", "shared")).lower()
+    expected_masters = master_entries.split_list(_expected(masters, "masters"))
+    topology = str(_expected(topology, "topology", "shared")).lower()
     if topology not in TOPOLOGIES:
         raise SaltInvocationError(
             f"multimaster.audit: topology must be 'shared' or 'signed', not {topology!r}"
@@ -158,9 +158,9 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         opts = _minion_opts()
     except Exception as exc:  # pylint: disable=broad-except
         raise CommandExecutionError(f"multimaster.audit: cannot read the minion config: {exc}")
-    finger = _expected(master_finger, "multimaster:master_finger") or opts.get("master_finger")
+    finger = _expected(master_finger, "master_finger") or opts.get("master_finger")
     versions = audit_core.master_version_map(
-        _expected(master_version, "multimaster:master_version")
+        _expected(master_version, "master_version")
     )
     ret = audit_core.run_audit(
         opts,

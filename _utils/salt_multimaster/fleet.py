@@ -4,11 +4,7 @@ The fleet report behind ``salt-run multimaster.audit``: the minions'
 report, and rendered as the rows of a compact table.
 """
 
-import logging
-
 from salt_multimaster.audit import CHECKS, SEVERITIES
-
-log = logging.getLogger(__name__)
 
 
 def minion_entry(ret):
