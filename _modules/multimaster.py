@@ -457,11 +457,7 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     if reason:
         log.error("multimaster: the %s cannot restart: %s", service, reason)
         raise CommandExecutionError(reason)
-    ret = restart.schedule(
-        __opts__,
-        lambda script: __salt__["cmd.run_bg"](script, python_shell=True, cwd="/").get("pid"),
-        cmd, delay, service,
-    )
+    ret = restart.schedule(__opts__, restart.salt_run_bg(__salt__), cmd, delay, service)
     if ret["scheduled"]:
         log.info("multimaster: %s restart scheduled (pid %s): %s", service, ret["pid"], cmd)
     return ret

@@ -175,11 +175,19 @@ def script(cmd, delay, wait_pid, pending_file, status_file):
              pending=shlex.quote(pending_file), cmd=cmd, last=shlex.quote(status_file))
 
 
+def salt_run_bg(salt_funcs):
+    """
+    The ``run_bg`` of :func:`schedule` over a loader's ``__salt__``: Salt's
+    ``cmd.run_bg`` with a shell, in ``/``, answering the pid.
+    """
+    return lambda script: salt_funcs["cmd.run_bg"](script, python_shell=True, cwd="/").get("pid")
+
+
 def schedule(opts, run_bg, cmd, delay=DEFAULT_DELAY, service="salt-minion", wait_pid=None):
     """
     Start the background restart of ``service`` with ``cmd`` unless one is
     pending.  ``run_bg(script)`` starts a shell script in the background and
-    returns its pid (Salt's ``cmd.run_bg``).  ``wait_pid``: the process to
+    returns its pid (:func:`salt_run_bg`).  ``wait_pid``: the process to
     outlive, default this one when ``opts`` run jobs in their own process
     (``multiprocessing``), else none (a job thread of the minion itself: only
     the delay applies).  Call :func:`impossible` first.

@@ -102,6 +102,17 @@ def test_schedule_records_the_exit_status(opts, tmp_path):
     assert wait_until(lambda: core.pending(opts) == 0, deadline=10, step=0.1)
 
 
+def test_salt_run_bg():
+    calls = []
+
+    def run_bg(script, **kwargs):
+        calls.append((script, kwargs))
+        return {"pid": 7}
+
+    assert core.salt_run_bg({"cmd.run_bg": run_bg})("sleep 1") == 7
+    assert calls == [("sleep 1", {"python_shell": True, "cwd": "/"})]
+
+
 def test_schedule_waits_for_this_process_in_a_job_process(opts):
     scripts = []
     core.schedule(opts, lambda script: scripts.append(script) or 0, "true", 2)
