@@ -35,7 +35,7 @@ from salt_multimaster.masters import (
     resolve_hosts,
     same,
 )
-from salt_multimaster.minion_config import trusted_key_name, trusted_key_path
+from salt_multimaster.minion_config import SETTINGS, trusted_key_name, trusted_key_path
 
 log = logging.getLogger(__name__)
 
@@ -635,21 +635,7 @@ def check_duplicate_minion_process(conf_file, processes):
 # drop-in manages (minion_config.SETTINGS).  publish_port and master_port are
 # left out: a running minion takes them from its master's reply and from
 # "host:port" master entries.
-RESTART_COMPARED = (
-    "master_type",
-    "master_alive_interval",
-    "random_master",
-    "master_failback",
-    "master_failback_interval",
-    "retry_dns",
-    "auth_tries",
-    "acceptance_wait_time",
-    "acceptance_wait_time_max",
-    "verify_master_pubkey_sign",
-    "ipc_mode",
-    "tcp_pub_port",
-    "tcp_pull_port",
-)
+RESTART_COMPARED = tuple(SETTINGS)
 
 
 def _running_masters(running, default_port):

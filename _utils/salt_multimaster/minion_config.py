@@ -1,10 +1,14 @@
 """
-Minion-side multi-master configuration: validation, deduplication, rendering
-and the trusted master key.
+Minion-side multi-master configuration: the managed drop-in (validation,
+rendering, the files Salt reads, :func:`check` and :func:`apply`) and the
+trusted master key (its path per topology, the PEM check, :func:`key_check`
+and :func:`key_apply` with a backup).  Master entries are parsed and
+deduplicated by :mod:`salt_multimaster.masters`, fingerprints made by
+:mod:`salt_multimaster.finger`.
 
 Plain functions without Salt's loader, used by the ``multimaster`` execution
 module and states (``multimaster.minion_config``, ``multimaster.master_key``)
-and unit-tested without daemons.
+and by the audit, and unit-tested without daemons.
 
 The managed drop-in is a small YAML file in the minion's ``minion.d`` folder.
 Salt reads ``minion.d/*.conf`` after the main ``minion`` file and a drop-in
