@@ -1,15 +1,21 @@
 """
-Audit a minion's multi-master configuration.
+A minion's multi-master configuration: audit it, make it consistent, make it
+trust the expected master key, restart it in the background.
 
 The audit reads the minion's own configuration and cached master key and
 changes nothing.  Expected values come from keyword arguments, else from the
-pillar keys ``multimaster:masters`` and ``multimaster:master_finger``.
+pillar keys ``multimaster:masters`` and ``multimaster:master_finger``.  The
+``minion_config_*``, ``master_key_*`` and ``restart_minion`` functions are
+what the ``multimaster`` states call.  The logic lives in the
+``salt_multimaster`` core (``audit``, ``masters``, ``minion_config``,
+``finger``, ``restart``); this module only reads Salt's dunders.
 """
 
 import logging
 import os
 
 import salt.config
+import salt.utils.args
 import salt.utils.data
 from salt.exceptions import CommandExecutionError, SaltInvocationError
 
@@ -19,7 +25,11 @@ __virtualname__ = "multimaster"
 
 try:
     import salt_multimaster
-    import salt_multimaster.audit
+    from salt_multimaster import audit as audit_core
+    from salt_multimaster import masters as master_entries
+    from salt_multimaster import minion_config as conf_core
+    from salt_multimaster import protocol, restart, validate
+    from salt_multimaster.layout import TOPOLOGIES
 
     HAS_CORE = True
 except ImportError:
@@ -49,12 +59,22 @@ def version():
     return {"version": salt_multimaster.__version__, "module": __file__}
 
 
+def _pillar():
+    """The ``multimaster`` pillar (plain values: ``__pillar__`` is not masked)."""
+    data = (__pillar__ or {}).get("multimaster") or {}
+    return data if isinstance(data, dict) else {}
+
+
 def _expected(kwarg_value, pillar_key, default=None):
-    """A keyword argument, else the pillar value (read unmasked from __pillar__)."""
+    """A keyword argument, else the ``multimaster:<pillar_key>`` pillar value."""
     if kwarg_value is not None and kwarg_value != "":
         return kwarg_value
-    value = salt.utils.data.traverse_dict_and_list(__pillar__, pillar_key, None)
+    value = _pillar().get(pillar_key)
     return default if value is None else value
+
+
+def _conf_file():
+    return __opts__.get("conf_file") or "/etc/salt/minion"
 
 
 def _minion_opts():
@@ -70,16 +90,6 @@ def _minion_opts():
     opts = salt.config.minion_config(conf_file, minion_id=__opts__.get("id"))
     opts["conf_file"] = conf_file
     return opts
-
-
-def _audit_timeout(timeout):
-    """A finite number of seconds above 0 (a minute at most), else SaltInvocationError."""
-    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
-
-    try:
-        return salt_multimaster.validate.timeout("timeout", timeout, maximum=60)
-    except salt_multimaster.validate.InvalidInput as exc:
-        raise SaltInvocationError(f"multimaster.audit: {exc}") from None
 
 
 def audit(masters=None, master_finger=None, master_version=None, topology=None, timeout=1):
@@ -134,24 +144,25 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         salt '*' multimaster.audit masters=master01,master02 master_finger='4a:7f:...'
         salt '*' multimaster.audit master_version=3008.3 topology=signed
     """
-    expected_masters = salt_multimaster.audit.split_masters(
-        _expected(masters, "multimaster:masters")
-    )
-    topology = str(_expected(topology, "multimaster:topology", "shared")).lower()
-    if topology not in salt_multimaster.audit.TOPOLOGIES:
+    expected_masters = master_entries.split_list(_expected(masters, "masters"))
+    topology = str(_expected(topology, "topology", "shared")).lower()
+    if topology not in TOPOLOGIES:
         raise SaltInvocationError(
             f"multimaster.audit: topology must be 'shared' or 'signed', not {topology!r}"
         )
-    timeout = _audit_timeout(timeout)
+    try:
+        timeout = validate.timeout("timeout", timeout, maximum=60)
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(f"multimaster.audit: {exc}") from None
     try:
         opts = _minion_opts()
     except Exception as exc:  # pylint: disable=broad-except
         raise CommandExecutionError(f"multimaster.audit: cannot read the minion config: {exc}")
-    finger = _expected(master_finger, "multimaster:master_finger") or opts.get("master_finger")
-    versions = salt_multimaster.audit.master_version_map(
-        _expected(master_version, "multimaster:master_version")
+    finger = _expected(master_finger, "master_finger") or opts.get("master_finger")
+    versions = audit_core.master_version_map(
+        _expected(master_version, "master_version")
     )
-    ret = salt_multimaster.audit.run_audit(
+    ret = audit_core.run_audit(
         opts,
         expected_masters=expected_masters,
         expected_finger=finger,
@@ -159,48 +170,11 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
         topology=topology,
         timeout=timeout,
         running=dict(__opts__),
-        restart_status=_mm_restart_status(),
+        restart_status=restart.last_status(__opts__),
     )
     if not ret["result"]:
         __context__["retcode"] = 1
     return ret
-
-# ---------------------------------------------------------------------------
-# Minion configuration helpers used by the multimaster states.  Everything
-# below this line belongs to the states' logic; the audit lives above it.
-# ---------------------------------------------------------------------------
-
-# The helpers below are thin: the logic (validation, deduplication,
-# rendering, fingerprints) lives in salt_multimaster.minion_config.
-import os as _mm_os  # pylint: disable=wrong-import-position
-import time as _mm_time  # pylint: disable=wrong-import-position
-
-import salt.utils.args as _mm_args  # pylint: disable=wrong-import-position
-from salt.exceptions import (  # pylint: disable=wrong-import-position
-    CommandExecutionError as _MMCommandExecutionError,
-)
-from salt.exceptions import (  # pylint: disable=wrong-import-position
-    SaltInvocationError as _MMSaltInvocationError,
-)
-
-try:
-    import salt_multimaster.minion_config  # pylint: disable=wrong-import-position
-
-    _MM_CONF = salt_multimaster.minion_config
-except ImportError:  # pragma: no cover  (reported by __virtual__)
-    _MM_CONF = None
-
-_MM_DEFAULT_RESTART_DELAY = 5
-
-
-def _mm_pillar():
-    """The ``multimaster`` pillar (plain values: ``__pillar__`` is not masked)."""
-    data = (__pillar__ or {}).get("multimaster") or {}
-    return data if isinstance(data, dict) else {}
-
-
-def _mm_conf_file():
-    return __opts__.get("conf_file") or "/etc/salt/minion"
 
 
 def minion_config_path(name=None):
@@ -217,12 +191,7 @@ def minion_config_path(name=None):
 
         salt '*' multimaster.minion_config_path
     """
-    conf_file = _mm_conf_file()
-    if not name:
-        return _MM_CONF.default_dropin_path(conf_file)
-    if _mm_os.path.isabs(name):
-        return name
-    return _mm_os.path.join(_mm_os.path.dirname(conf_file), "minion.d", name)
+    return conf_core.dropin_path(_conf_file(), name)
 
 
 def minion_config_check(masters=None, name=None, **settings):
@@ -253,73 +222,10 @@ def minion_config_check(masters=None, name=None, **settings):
 
         salt '*' multimaster.minion_config_check masters='[m1, m2]' master_alive_interval=30
     """
-    settings = _mm_args.clean_kwargs(**settings)
+    settings = salt.utils.args.clean_kwargs(**settings)
     if masters is None:
-        masters = _mm_pillar().get("masters")
-    path = minion_config_path(name)
-    conf_file = _mm_conf_file()
-    merged, _ = _MM_CONF.effective_config(conf_file)
-    master_port = merged.get("master_port", __opts__.get("master_port", 4506))
-    try:
-        master_port = int(master_port)
-    except (TypeError, ValueError):
-        master_port = _MM_CONF.DEFAULT_MASTER_PORT
-    ret = {
-        "path": path,
-        "errors": [],
-        "current": {},
-        "desired": None,
-        "changes": {},
-        "rewrite": False,
-        "restart_needed": False,
-        "notes": [],
-    }
-    text = _MM_CONF.read_text(path)
-    current = _MM_CONF.parse(text)
-    if current is None:
-        ret["notes"].append(f"{path} is not valid YAML: it will be replaced")
-        current = {}
-    ret["current"] = current
-    resolved = {}
-    if isinstance(masters, (list, tuple)):
-        hosts = []
-        for entry in masters:
-            try:
-                hosts.append(_MM_CONF.split_master(entry, master_port)[0])
-            except ValueError:
-                pass
-        resolved = _MM_CONF.resolve_hosts(hosts)
-    ret["errors"] = _MM_CONF.validate(masters, settings, master_port, resolved)
-    if ret["errors"]:
-        return ret
-    desired, notes = _MM_CONF.desired(masters, settings, master_port, resolved)
-    ret["notes"].extend(notes)
-    overridden = _MM_CONF.overriding_files(conf_file, path, list(desired))
-    if "*" in overridden:
-        ret["errors"].append(overridden["*"])
-        return ret
-    if overridden:
-        ret["errors"].append(
-            "Salt reads these files after {} and they set the same keys again: {}; "
-            "remove the keys there".format(
-                path, ", ".join(f"{k} ({p})" for k, p in sorted(overridden.items()))
-            )
-        )
-        return ret
-    ret["desired"] = desired
-    ret["content"] = _MM_CONF.render(desired)
-    ret["changes"] = _MM_CONF.diff(current, desired)
-    ret["rewrite"] = text != ret["content"]
-    ret["restart_needed"] = bool(ret["changes"])
-    for key, value in desired.items():
-        if key in ("master", "tcp_pub_port", "tcp_pull_port"):
-            continue
-        if not ret["changes"] and __opts__.get(key) != value:
-            ret["notes"].append(
-                f"the running minion still uses {key}={__opts__.get(key)!r}: "
-                "it loads the drop-in when it restarts"
-            )
-    return ret
+        masters = _pillar().get("masters")
+    return conf_core.check(_conf_file(), masters, settings, name=name, running=__opts__)
 
 
 def minion_config_apply(masters=None, name=None, **settings):
@@ -338,33 +244,22 @@ def minion_config_apply(masters=None, name=None, **settings):
 
         salt '*' multimaster.minion_config_apply masters='[m1, m2]' master_alive_interval=30
     """
-    ret = minion_config_check(masters=masters, name=name, **settings)
-    if ret["errors"]:
-        raise _MMSaltInvocationError("; ".join(ret["errors"]))
-    ret["written"] = False
-    if ret["rewrite"]:
-        try:
-            _MM_CONF.atomic_write(ret["path"], ret["content"], mode=0o644)
-        except OSError as exc:
-            raise _MMCommandExecutionError(f"cannot write {ret['path']}: {exc}") from exc
-        ret["written"] = True
+    settings = salt.utils.args.clean_kwargs(**settings)
+    if masters is None:
+        masters = _pillar().get("masters")
+    try:
+        ret = conf_core.apply(_conf_file(), masters, settings, name=name, running=__opts__)
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(str(exc)) from None
+    except conf_core.WriteError as exc:
+        raise CommandExecutionError(str(exc)) from None
+    if ret["written"]:
         log.info("multimaster: wrote %s", ret["path"])
-        after = minion_config_check(masters=masters, name=name, **settings)
-        if after["rewrite"] or after["errors"]:
-            raise _MMCommandExecutionError(
-                f"{ret['path']} does not hold the wanted settings after writing it"
-            )
     return ret
 
 
-def _mm_backup_dir():
-    stamp = _mm_time.strftime("%Y%m%dT%H%M%S", _mm_time.gmtime())
-    return _mm_os.path.join(
-        __opts__.get("cachedir", "/var/cache/salt/minion"),
-        "multimaster",
-        "backup",
-        f"{stamp}-{_mm_os.getpid()}",
-    )
+def _topology(topology):
+    return topology or _pillar().get("topology") or "shared"
 
 
 def master_key_path(name=None, topology=None):
@@ -384,12 +279,29 @@ def master_key_path(name=None, topology=None):
 
         salt '*' multimaster.master_key_path topology=signed
     """
-    topology = topology or _mm_pillar().get("topology") or "shared"
-    if not name:
-        name = _MM_CONF.master_key_name(topology, __opts__.get("master_sign_key_name"))
-    if _mm_os.path.isabs(name):
-        return name
-    return _mm_os.path.join(__opts__["pki_dir"], name)
+    return conf_core.trusted_key_path(__opts__, _topology(topology), name)
+
+
+def _key_args(name, contents, source, master_finger, topology, saltenv):
+    """The key arguments with the pillar's defaults, for the core's key_check/key_apply."""
+    pillar = _pillar()
+    topology = _topology(topology)
+    if master_finger is None:
+        master_finger = pillar.get("master_finger")
+    if contents is None and not source:
+        # the formula's pillar keys: usable from a plain job, which (unlike
+        # state.apply) needs no new pillar compile, i.e. no sign-in with the
+        # stale key itself
+        contents = pillar.get("master_pub") or None
+        source = pillar.get("master_pub_source") or None
+    return {
+        "path": conf_core.trusted_key_path(__opts__, topology, name),
+        "topology": topology,
+        "contents": contents,
+        "source": source,
+        "master_finger": master_finger,
+        "fetch": lambda src: __salt__["cp.get_file_str"](src, saltenv=saltenv),
+    }
 
 
 def master_key_check(
@@ -424,71 +336,10 @@ def master_key_check(
 
         salt '*' multimaster.master_key_check master_finger='ab:cd:...'
     """
-    topology = topology or _mm_pillar().get("topology") or "shared"
-    if master_finger is None:
-        master_finger = _mm_pillar().get("master_finger")
-    if contents is None and not source:
-        # the formula's pillar keys: usable from a plain job, which (unlike
-        # state.apply) needs no new pillar compile, i.e. no sign-in with the
-        # stale key itself
-        contents = _mm_pillar().get("master_pub") or None
-        source = _mm_pillar().get("master_pub_source") or None
-    path = master_key_path(name, topology)
-    ret = {
-        "path": path,
-        "errors": [],
-        "match": False,
-        "current_finger": None,
-        "expected_finger": None,
-        "expected": None,
-    }
-    if topology not in _MM_CONF.TOPOLOGIES:
-        ret["errors"].append(f"topology {topology!r} is not one of shared, signed")
-        return ret
-    if master_finger and not _MM_CONF.valid_finger(master_finger):
-        ret["errors"].append(f"master_finger {master_finger!r} is not a key fingerprint")
-        return ret
-    expected = contents
-    if expected is None and source:
-        try:
-            expected = __salt__["cp.get_file_str"](source, saltenv=saltenv)
-        except Exception as exc:  # pylint: disable=broad-except
-            ret["errors"].append(f"cannot fetch {source}: {exc}")
-            return ret
-        if not expected:
-            ret["errors"].append(f"cannot fetch {source}: no such file on the master")
-            return ret
-    if expected is not None:
-        expected = _MM_CONF.normalize_pem(expected)
-        if not _MM_CONF.looks_like_public_key(expected):
-            ret["errors"].append("the expected master key is not a PEM public key")
-            return ret
-        if master_finger and not _MM_CONF.finger_matches(expected, master_finger):
-            ret["errors"].append(
-                "the expected master key does not have fingerprint {}".format(master_finger)
-            )
-            return ret
-    elif not master_finger:
-        ret["errors"].append(
-            "give the expected key (contents or source) or its master_finger"
-        )
-        return ret
-    sum_type = __opts__.get("hash_type", "sha256")
-    if master_finger:
-        sum_type = {
-            32: "md5", 40: "sha1", 56: "sha224", 64: "sha256", 96: "sha384", 128: "sha512"
-        }[len(_MM_CONF.normalize_finger(master_finger))]
-    current = _MM_CONF.read_text(path)
-    if current:
-        ret["current_finger"] = _MM_CONF.key_finger(current, sum_type)
-    if expected is not None:
-        ret["expected"] = expected
-        ret["expected_finger"] = _MM_CONF.key_finger(expected, sum_type)
-        ret["match"] = current is not None and _MM_CONF.normalize_pem(current) == expected
-    else:
-        ret["expected_finger"] = master_finger
-        ret["match"] = bool(current) and _MM_CONF.finger_matches(current, master_finger)
-    return ret
+    return conf_core.key_check(
+        hash_type=__opts__.get("hash_type", "sha256"),
+        **_key_args(name, contents, source, master_finger, topology, saltenv),
+    )
 
 
 def master_key_apply(
@@ -517,60 +368,19 @@ def master_key_apply(
         salt '*' multimaster.master_key_apply
         salt '*' multimaster.master_key_apply source=salt://keys/master.pub
     """
-    ret = master_key_check(
-        name=name, contents=contents, source=source, master_finger=master_finger,
-        topology=topology, saltenv=saltenv,
-    )
-    if ret["errors"]:
-        raise _MMSaltInvocationError("; ".join(ret["errors"]))
-    ret["written"] = False
-    ret["backup"] = None
-    if ret["match"]:
-        return ret
-    if ret["expected"] is None:
-        raise _MMCommandExecutionError(
-            "{} has fingerprint {}, not {}, and no key content was given to replace "
-            "it".format(ret["path"], ret["current_finger"], ret["expected_finger"])
-        )
-    path = ret["path"]
     try:
-        if _mm_os.path.lexists(path):
-            backup_dir = _mm_backup_dir()
-            _mm_os.makedirs(backup_dir, mode=0o700, exist_ok=True)
-            backup = _mm_os.path.join(backup_dir, _mm_os.path.basename(path))
-            with open(path, "rb") as src, open(backup, "wb") as dst:
-                dst.write(src.read())
-            ret["backup"] = backup
-        _mm_os.makedirs(_mm_os.path.dirname(path), mode=0o700, exist_ok=True)
-        _MM_CONF.atomic_write(path, ret["expected"], mode=0o644)
-    except OSError as exc:
-        raise _MMCommandExecutionError(f"cannot replace {path}: {exc}") from exc
-    ret["written"] = True
-    log.info("multimaster: replaced %s (backup %s)", path, ret["backup"])
-    after = master_key_check(
-        name=name, contents=ret["expected"], master_finger=master_finger,
-        topology=topology, saltenv=saltenv,
-    )
-    if not after["match"]:
-        raise _MMCommandExecutionError(f"{path} does not hold the expected key after writing it")
+        ret = conf_core.key_apply(
+            __opts__, **_key_args(name, contents, source, master_finger, topology, saltenv))
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(str(exc)) from None
+    except conf_core.WriteError as exc:
+        raise CommandExecutionError(str(exc)) from None
+    if ret["written"]:
+        log.info("multimaster: replaced %s (backup %s)", ret["path"], ret["backup"])
     return ret
 
 
-def _mm_pid_alive(pid):
-    try:
-        _mm_os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def _mm_service_available(service):
+def _service_available(service):
     """Whether this host's service manager knows ``service``; None if unknown."""
     if "service.available" not in __salt__:
         return False  # no service module loaded: no service manager here
@@ -578,21 +388,6 @@ def _mm_service_available(service):
         return bool(__salt__["service.available"](service))
     except Exception:  # pylint: disable=broad-except
         log.debug("multimaster: service.available(%s) failed", service, exc_info=True)
-        return None
-
-
-def _mm_restart_status_path(service="salt-minion"):
-    """Where the background restart of ``service`` leaves its command's exit status."""
-    return _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster",
-                            f"restart-{service}.status")
-
-
-def _mm_restart_status():
-    """The exit status of the last background salt-minion restart command, or None."""
-    try:
-        with open(_mm_restart_status_path(), encoding="utf-8") as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError):
         return None
 
 
@@ -637,77 +432,35 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
         salt '*' multimaster.restart_minion test=True
         salt master01 multimaster.restart_minion service=salt-master
     """
-    import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
-    import salt_multimaster.validate  # pylint: disable=import-outside-toplevel
-
-    if service not in ("salt-minion", "salt-master"):
-        raise _MMSaltInvocationError(
-            f"service must be salt-minion or salt-master, not {service!r}")
-    pillar = _mm_pillar()
+    try:
+        restart.check_service(service)
+    except ValueError as exc:
+        raise SaltInvocationError(str(exc)) from None
+    pillar = _pillar()
     if service == "salt-minion":
         cmd = cmd or pillar.get("minion_restart_cmd")
-    cmd = cmd or salt_multimaster.restart.default_cmd(service)
+        if delay is None:
+            delay = pillar.get("minion_restart_delay")
+    cmd = cmd or restart.default_cmd(service)
     if not isinstance(cmd, str) or not cmd.strip():
-        raise _MMSaltInvocationError(f"cmd must be a non-empty command string, not {cmd!r}")
-    if delay is None:
-        delay = pillar.get("minion_restart_delay", _MM_DEFAULT_RESTART_DELAY)
-
+        raise SaltInvocationError(f"cmd must be a non-empty command string, not {cmd!r}")
     try:
-        delay = salt_multimaster.validate.delay("delay", delay)
-    except salt_multimaster.validate.InvalidInput as exc:
-        raise _MMSaltInvocationError(str(exc)) from None
+        delay = validate.delay("delay", restart.DEFAULT_DELAY if delay is None else delay)
+    except validate.InvalidInput as exc:
+        raise SaltInvocationError(str(exc)) from None
     available = None
-    if cmd.strip() == salt_multimaster.restart.default_cmd(service):
-        available = _mm_service_available(service)
-    reason = salt_multimaster.restart.impossible(cmd, service, service_available=available)
+    if cmd.strip() == restart.default_cmd(service):
+        available = _service_available(service)
+    reason = restart.impossible(cmd, service, service_available=available)
     if salt.utils.data.is_true(test):
         return {"scheduled": False, "possible": reason is None, "reason": reason, "cmd": cmd}
     if reason:
         log.error("multimaster: the %s cannot restart: %s", service, reason)
-        raise _MMCommandExecutionError(reason)
-    state_dir = _mm_os.path.join(__opts__.get("cachedir", "/var/cache/salt/minion"), "multimaster")
-    _mm_os.makedirs(state_dir, mode=0o700, exist_ok=True)
-    pending = _mm_os.path.join(
-        state_dir, "restart.pending" if service == "salt-minion" else f"restart-{service}.pending")
-    try:
-        with open(pending, encoding="utf-8") as fh:
-            pending_pid = int(fh.read().strip() or 0)
-    except (OSError, ValueError):
-        pending_pid = 0
-    if pending_pid and _mm_pid_alive(pending_pid):
-        return {"scheduled": False, "pid": pending_pid, "cmd": cmd}
-    # In a job process (multiprocessing), wait for it to exit: its return has
-    # been sent then.  Without multiprocessing the job is a thread of the
-    # minion itself: only the delay applies.
-    wait_pid = _mm_os.getpid() if __opts__.get("multiprocessing", True) else 0
-    script = (
-        "p={pid}; i=0; "
-        'while [ "$p" -gt 0 ] && [ $i -lt 2400 ] && [ -d /proc/$p ] && '
-        "! grep -q ') Z' /proc/$p/stat 2>/dev/null; do sleep 0.25; i=$((i+1)); done; "
-        "sleep {delay}; rm -f {pending}; ({cmd}); "
-        # the outcome, for the audit's restart_pending (a restart that worked
-        # usually ends this script before it gets here)
-        "echo $? > {last}.tmp && mv -f {last}.tmp {last}"
-    ).format(pid=wait_pid, delay=delay, pending=_mm_quote(pending), cmd=cmd,
-             last=_mm_quote(_mm_restart_status_path(service)))
-    try:
-        _mm_os.unlink(_mm_restart_status_path(service))
-    except OSError:
-        pass
-    ret = __salt__["cmd.run_bg"](script, python_shell=True, cwd="/")
-    pid = int(ret.get("pid") or 0)
-    try:
-        _MM_CONF.atomic_write(pending, f"{pid}\n", mode=0o600)
-    except OSError:
-        log.warning("multimaster: cannot record the pending restart in %s", pending)
-    log.info("multimaster: %s restart scheduled (pid %s): %s", service, pid, cmd)
-    return {"scheduled": True, "pid": pid, "cmd": cmd}
-
-
-def _mm_quote(text):
-    import shlex  # pylint: disable=import-outside-toplevel
-
-    return shlex.quote(text)
+        raise CommandExecutionError(reason)
+    ret = restart.schedule(__opts__, restart.salt_run_bg(__salt__), cmd, delay, service)
+    if ret["scheduled"]:
+        log.info("multimaster: %s restart scheduled (pid %s): %s", service, ret["pid"], cmd)
+    return ret
 
 
 def pull_config(master_config=None):
@@ -727,9 +480,6 @@ def pull_config(master_config=None):
 
         salt master01 multimaster.pull_config
     """
-    # pylint: disable=import-outside-toplevel
-    from salt_multimaster import protocol
-
     path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
     if not os.path.isfile(path):
         raise CommandExecutionError(f"no salt-master configuration at {path}")

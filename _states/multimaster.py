@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 __virtualname__ = "multimaster"
 
 try:
-    import salt_multimaster  # noqa: F401  pylint: disable=unused-import
+    from salt_multimaster import restart as restart_core
+    from salt_multimaster import validate
 
     HAS_CORE = True
 except ImportError:
@@ -90,8 +91,6 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
     ``ret`` (result False, a comment naming the argument) and return None,
     else ``(restart, restart_cmd, restart_delay)`` normalized.
     """
-    import salt_multimaster.validate as validate  # pylint: disable=import-outside-toplevel
-
     try:
         restart = validate.boolean("restart", restart, default=True)
         if restart_delay is not None:
@@ -114,12 +113,10 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
 
 def _restart_failed(ret, service, reason, test=False):
     """Fill ``ret`` for a restart of ``service`` that cannot happen."""
-    import salt_multimaster.restart  # pylint: disable=import-outside-toplevel
-
     pillar_key = ("multimaster:minion_restart_cmd" if service == "salt-minion"
                   else "multimaster:master:restart_cmd")
     ret["result"] = False
-    ret["comment"] += " " + salt_multimaster.restart.failure_comment(
+    ret["comment"] += " " + restart_core.failure_comment(
         service, reason, pillar_key, test=test)
 
 
@@ -175,7 +172,8 @@ def restart_scheduled(name, cmd=None, delay=None):
         (for salt-minion: pillar ``multimaster:minion_restart_cmd`` first).
 
     delay
-        Seconds between the end of the job and the restart (default 5).
+        Seconds between the end of the job and the restart (default 5,
+        ``salt_multimaster.restart.DEFAULT_DELAY``).
 
     CLI Example:
 

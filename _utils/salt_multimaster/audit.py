@@ -15,14 +15,27 @@ are testable without daemons.
 """
 
 import concurrent.futures
-import ipaddress
 import logging
 import os
 import re
 import socket
 import time
 
+import salt.config
+import salt.version
+
+from salt_multimaster import finger
 from salt_multimaster.layout import TOPOLOGIES
+from salt_multimaster.masters import (
+    DEFAULT_MASTER_PORT,
+    DEFAULT_PUBLISH_PORT,
+    entries as master_entries,
+    group,
+    parse_lenient,
+    resolve_hosts,
+    same,
+)
+from salt_multimaster.minion_config import SETTINGS, trusted_key_name, trusted_key_path
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +52,6 @@ CHECKS = (
     "restart_pending",
 )
 SEVERITIES = ("error", "warning", "info")
-DEFAULT_MASTER_PORT = 4506
-DEFAULT_PUBLISH_PORT = 4505
 DEFAULT_CONF_DIR = "/etc/salt"
 
 
@@ -52,118 +63,26 @@ def finding(check, severity, message, remedy):
 
 
 # ---------------------------------------------------------------------------
-# Master entries
+# Checks
 # ---------------------------------------------------------------------------
-def master_entries(masters):
-    """
-    The configured master entries as a list of strings: Salt's ``master``
-    option is a string or a list.
-    """
-    if masters is None or masters == "":
-        return []
-    if isinstance(masters, (list, tuple)):
-        return [str(m).strip() for m in masters if str(m).strip()]
-    return [str(masters).strip()]
-
-
-def split_masters(value):
-    """
-    Expected masters given on the command line: a list, or a comma separated
-    string (``masters=m1,m2``).
-    """
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return [str(v).strip() for v in value if str(v).strip()]
-    return [v.strip() for v in str(value).split(",") if v.strip()]
-
-
-def parse_master(entry, default_port=DEFAULT_MASTER_PORT):
-    """
-    ``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address ->
-    ``(host, port)``; the port defaults to ``default_port`` (the minion's
-    ``master_port``), as Salt's minion does.
-    """
-    entry = str(entry).strip()
-    host, port = entry, None
-    if entry.startswith("["):
-        host, _, rest = entry[1:].partition("]")
-        if rest.startswith(":") and rest[1:].isdigit():
-            port = int(rest[1:])
-    elif entry.count(":") == 1:
-        name, _, maybe_port = entry.partition(":")
-        if maybe_port.isdigit():
-            host, port = name, int(maybe_port)
-    try:
-        host = ipaddress.ip_address(host).compressed
-    except ValueError:
-        host = host.lower().rstrip(".")
-    return host, int(port if port is not None else default_port)
-
-
-def is_ip(host):
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _getaddrinfo(host):
-    infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    return {ipaddress.ip_address(info[4][0].split("%", 1)[0]).compressed for info in infos}
-
-
-def resolve_hosts(hosts, timeout=2.0, resolver=None):
-    """
-    Resolve host names in parallel, giving up after ``timeout`` seconds.
-
-    Returns ``{host: set of addresses}``; an IP address resolves to itself and
-    a name that does not resolve (in time) maps to an empty set.
-    """
-    resolver = resolver or _getaddrinfo
-    ret = {}
-    names = []
-    for host in dict.fromkeys(hosts):
-        if is_ip(host):
-            ret[host] = {host}
-        else:
-            names.append(host)
-    if not names:
-        return ret
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(names)))
-    futures = {pool.submit(resolver, name): name for name in names}
-    try:
-        done, _ = concurrent.futures.wait(futures, timeout=timeout)
-        for future, name in futures.items():
-            try:
-                ret[name] = set(future.result(timeout=0)) if future in done else set()
-            except Exception as exc:  # pylint: disable=broad-except
-                log.debug("multimaster.audit: cannot resolve %s: %s", name, exc)
-                ret[name] = set()
-    finally:
-        pool.shutdown(wait=False)
+def _invalid_entries(names, default_port, where, remedy):
+    """One master_list error per entry :func:`masters.parse` refuses."""
+    ret = []
+    for name in names:
+        error = parse_lenient(name, default_port)[1]
+        if error:
+            ret.append(finding(
+                "master_list", "error",
+                f"Master entry {name!r} in {where} cannot be used: {error}.", remedy))
     return ret
 
 
-def _same_master(a, b, resolved):
-    """Two parsed entries name the same master: same port, same host or a shared address."""
-    (host_a, port_a), (host_b, port_b) = a, b
-    if port_a != port_b:
-        return False
-    if host_a == host_b:
-        return True
-    return bool(resolved.get(host_a, set()) & resolved.get(host_b, set()))
-
-
-# ---------------------------------------------------------------------------
-# Checks
-# ---------------------------------------------------------------------------
 def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resolved=None):
     """
     master_list: the configured masters against the expected list.  Entries
     are compared as Salt connects to them: host (or any of its addresses) and
-    request port.
+    request port.  An entry the ``multimaster.minion_config`` state would
+    refuse (same parser: :func:`masters.parse`) is an error naming it.
     """
     resolved = resolved or {}
     if not masters:
@@ -175,8 +94,13 @@ def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resol
                 "Set 'master' in the minion configuration to the list of masters.",
             )
         ]
+    ret = _invalid_entries(
+        masters, default_port, "'master'",
+        "Fix or remove the entry in 'master' in the minion configuration (a host, "
+        "host:port with a port from 1 to 65535, or [ipv6]:port) and restart salt-minion; "
+        "the salt.multimaster.minion state refuses to write it too.")
     if expected is None:
-        return [
+        return ret + [
             finding(
                 "master_list",
                 "info",
@@ -185,17 +109,19 @@ def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resol
                 "every minion must use.",
             )
         ]
-    conf = [(m, parse_master(m, default_port)) for m in masters]
-    want = [(m, parse_master(m, default_port)) for m in expected]
+    ret += _invalid_entries(
+        expected, default_port, "the expected list",
+        "Fix the entry in pillar 'multimaster:masters' (or masters=...).")
+    conf = [(m, parse_lenient(m, default_port)[0]) for m in masters]
+    want = [(m, parse_lenient(m, default_port)[0]) for m in expected]
     missing = [
         name for name, parsed in want
-        if not any(_same_master(parsed, c, resolved) for _, c in conf)
+        if not any(same(parsed, c, resolved) for _, c in conf)
     ]
     unexpected = [
         name for name, parsed in conf
-        if not any(_same_master(parsed, w, resolved) for _, w in want)
+        if not any(same(parsed, w, resolved) for _, w in want)
     ]
-    ret = []
     if missing:
         ret.append(
             finding(
@@ -230,21 +156,13 @@ def check_duplicate_master(masters, default_port=DEFAULT_MASTER_PORT, resolved=N
     holds two connections to that master and every job returns twice.
     """
     resolved = resolved or {}
-    parsed = [(m, parse_master(m, default_port)) for m in masters]
-    groups = []
-    for name, entry in parsed:
-        for group in groups:
-            if _same_master(group[0][1], entry, resolved):
-                group.append((name, entry))
-                break
-        else:
-            groups.append([(name, entry)])
+    parsed = [(m, parse_lenient(m, default_port)[0]) for m in masters]
     ret = []
-    for group in groups:
-        if len(group) < 2:
+    for grp in group(parsed, resolved):
+        if len(grp) < 2:
             continue
-        names = [name for name, _ in group]
-        host, port = group[0][1]
+        names = [name for name, _ in grp]
+        host, port = grp[0][1]
         ret.append(
             finding(
                 "duplicate_master",
@@ -280,8 +198,8 @@ def check_master_reachable(masters, publish_port=DEFAULT_PUBLISH_PORT,
     connect = connect or tcp_connect
     targets, seen = [], set()
     for name in masters:
-        host, ret_port = parse_master(name, default_port)
-        if (host, ret_port) in seen:
+        (host, ret_port), error = parse_lenient(name, default_port)
+        if error or (host, ret_port) in seen:  # a bad entry: a master_list finding
             continue
         seen.add((host, ret_port))
         targets.append((name, host, [("publish", int(publish_port)), ("request", ret_port)]))
@@ -309,36 +227,6 @@ def check_master_reachable(masters, publish_port=DEFAULT_PUBLISH_PORT,
             )
         )
     return ret
-
-
-def normalize_finger(finger):
-    return re.sub(r"[^0-9a-f]", "", str(finger or "").lower())
-
-
-def master_key_path(opts, topology="shared"):
-    """The master key a minion trusts: minion_master.pub, or master_sign.pub when signed."""
-    pki_dir = opts.get("pki_dir") or ""
-    if topology == "signed":
-        name = opts.get("master_sign_key_name") or "master_sign"
-        return os.path.join(pki_dir, f"{name}.pub")
-    return os.path.join(pki_dir, "minion_master.pub")
-
-
-def key_finger(path, hash_type="sha256"):
-    """
-    The master fingerprint of the key at ``path`` as the installed Salt's
-    ``salt-key -F master`` prints it (``finger.master_finger``), or "" if missing.
-    """
-    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
-
-    return finger.file_finger(path, hash_type or "sha256")
-
-
-def _finger_of(path, expected_finger):
-    """True when the key at ``path`` has ``expected_finger`` in either of Salt's forms."""
-    from salt_multimaster import finger  # pylint: disable=import-outside-toplevel
-
-    return finger.file_matches(path, expected_finger)
 
 
 def check_master_pubkey(path, actual_finger, expected_finger, topology="shared"):
@@ -374,8 +262,8 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
                 "'salt-key -F master' on the primary.",
             )
         ]
-    if normalize_finger(actual_finger) != normalize_finger(expected_finger) and not _finger_of(
-        path, expected_finger
+    if finger.normalize(actual_finger) != finger.normalize(expected_finger) and not (
+        finger.file_matches(path, expected_finger)
     ):
         if topology == "signed":
             remedy = (
@@ -441,7 +329,7 @@ def check_failover_settings(opts, masters, sign_key_present):
     ret = []
     failover = opts.get("master_type") == "failover"
     verify = bool(opts.get("verify_master_pubkey_sign"))
-    sign_name = (opts.get("master_sign_key_name") or "master_sign") + ".pub"
+    sign_name = trusted_key_name("signed", opts.get("master_sign_key_name"))
     if failover and len(masters) < 2:
         ret.append(
             finding(
@@ -497,8 +385,6 @@ def ports_list_supported(key):
     Whether the running Salt accepts a list for ``key``: Salt 3008 types
     tcp_pub_port/tcp_pull_port as one int and cannot start with a list.
     """
-    import salt.config  # pylint: disable=import-outside-toplevel
-
     valid = salt.config.VALID_OPTS.get(key)
     types = valid if isinstance(valid, tuple) else (valid,)
     return any(t in (list, tuple) for t in types if isinstance(t, type))
@@ -567,8 +453,6 @@ def release(version):
     The feature release of a Salt version: ``(3008,)`` for 3008.3,
     ``(2018, 3)`` for 2018.3.2 (date-based versions), plus the full info tuple.
     """
-    import salt.version  # pylint: disable=import-outside-toplevel
-
     parsed = salt.version.SaltStackVersion.parse(str(version))
     rel = (parsed.major,) if parsed.major >= 3000 else (parsed.major, parsed.minor or 0)
     return rel, parsed
@@ -751,21 +635,7 @@ def check_duplicate_minion_process(conf_file, processes):
 # drop-in manages (minion_config.SETTINGS).  publish_port and master_port are
 # left out: a running minion takes them from its master's reply and from
 # "host:port" master entries.
-RESTART_COMPARED = (
-    "master_type",
-    "master_alive_interval",
-    "random_master",
-    "master_failback",
-    "master_failback_interval",
-    "retry_dns",
-    "auth_tries",
-    "acceptance_wait_time",
-    "acceptance_wait_time_max",
-    "verify_master_pubkey_sign",
-    "ipc_mode",
-    "tcp_pub_port",
-    "tcp_pull_port",
-)
+RESTART_COMPARED = tuple(SETTINGS)
 
 
 def _running_masters(running, default_port):
@@ -779,10 +649,10 @@ def _running_masters(running, default_port):
     for key in ("master_list", "local_masters"):
         value = running.get(key)
         if isinstance(value, (list, tuple)) and value:
-            return [parse_master(m, default_port) for m in master_entries(value)], True
+            return [parse_lenient(m, default_port)[0] for m in master_entries(value)], True
     entries = master_entries(running.get("master"))
     complete = not running.get("multimaster")
-    return [parse_master(m, default_port) for m in entries], complete
+    return [parse_lenient(m, default_port)[0] for m in entries], complete
 
 
 def check_restart_pending(running, files, restart_status=None):
@@ -826,7 +696,7 @@ def check_restart_pending(running, files, restart_status=None):
         if key in running and key in files and running[key] != files[key]:
             differ.append(f"{key} (running {running[key]!r}, files {files[key]!r})")
     default_port = _as_int(files.get("master_port"), DEFAULT_MASTER_PORT)
-    on_disk = [parse_master(m, default_port) for m in master_entries(files.get("master"))]
+    on_disk = [parse_lenient(m, default_port)[0] for m in master_entries(files.get("master"))]
     started, complete = _running_masters(running, default_port)
     if complete and running.get("random_master"):
         # a failover minion with random_master shuffled its list at start
@@ -876,8 +746,6 @@ def run_audit(
     :func:`check_restart_pending`, with ``restart_status``); None skips
     that check.
     """
-    import salt.version  # pylint: disable=import-outside-toplevel
-
     started = time.monotonic()
     if topology not in TOPOLOGIES:
         raise ValueError(
@@ -886,12 +754,14 @@ def run_audit(
     minion_version = minion_version or salt.version.__version__
     masters = master_entries(opts.get("master"))
     default_port = _as_int(opts.get("master_port"), DEFAULT_MASTER_PORT)
-    hosts = [parse_master(m, default_port)[0] for m in masters + list(expected_masters or [])]
+    hosts = [parsed[0] for (parsed, error) in (
+        parse_lenient(m, default_port) for m in masters + list(expected_masters or [])
+    ) if not error]
     resolved = resolve_hosts(hosts, timeout=max(timeout, 1.0), resolver=resolver)
 
-    key_path = master_key_path(opts, topology)
-    finger = key_finger(key_path, opts.get("hash_type"))
-    sign_key_present = os.path.isfile(master_key_path(opts, "signed"))
+    key_path = trusted_key_path(opts, topology)
+    key_finger = finger.file_finger(key_path, opts.get("hash_type") or "sha256")
+    sign_key_present = os.path.isfile(trusted_key_path(opts, "signed"))
     if processes is None:
         processes = list_processes()
 
@@ -905,7 +775,7 @@ def run_audit(
         timeout=timeout,
         connect=connect,
     )
-    findings += check_master_pubkey(key_path, finger, expected_finger, topology)
+    findings += check_master_pubkey(key_path, key_finger, expected_finger, topology)
     findings += check_master_alive_interval(opts, masters)
     findings += check_failover_settings(opts, masters, sign_key_present)
     findings += check_ipc_tcp_ports(opts, masters)
@@ -919,7 +789,7 @@ def run_audit(
         "result": not any(f["severity"] == "error" for f in findings),
         "findings": findings,
         "masters": masters,
-        "master_finger": finger,
+        "master_finger": key_finger,
         "saltversion": minion_version,
     }
 

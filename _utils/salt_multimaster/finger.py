@@ -1,6 +1,7 @@
 """
-The master fingerprint: one definition for ``multimaster.status``, the minion
-audit, the ``multimaster.master_key`` state and the docs.
+The master fingerprint, from a key's text or its path: one definition for
+``multimaster.status``, the minion audit, the ``multimaster.master_key``
+state and the docs.
 
 "The master fingerprint" is what ``salt-key -F master`` prints for the
 master's public key on the primary, and Salt changed it in 3008:
@@ -28,6 +29,9 @@ Plain functions, no Salt loader: unit-tested without daemons.
 import hashlib
 import os
 import re
+
+import salt.utils.crypt
+import salt.version
 
 HASHES_BY_LEN = {32: "md5", 40: "sha1", 56: "sha224", 64: "sha256", 96: "sha384", 128: "sha512"}
 
@@ -70,8 +74,6 @@ def text_finger(text, sum_type="sha256"):
 def salt_major(saltversion=None):
     """The major release number of ``saltversion`` (default: the installed Salt)."""
     if saltversion is None:
-        import salt.version  # pylint: disable=import-outside-toplevel
-
         saltversion = salt.version.__version__
     match = re.match(r"\s*(\d+)", str(saltversion))
     if not match:
@@ -89,8 +91,6 @@ def master_finger(text, sum_type="sha256"):
     if not text:
         return ""
     if salt_major() >= TEXT_FORM_SINCE:
-        import salt.utils.crypt  # pylint: disable=import-outside-toplevel
-
         data = "\n".join(_pem_lines(text)) + "\n"
         return salt.utils.crypt.pem_finger(key=data.encode("utf-8"), sum_type=sum_type or "sha256")
     return body_finger(text, sum_type)
@@ -115,11 +115,11 @@ def matches(text, finger):
     of Salt's forms; the hash is chosen by the fingerprint's length (md5,
     sha1, sha224, sha256, sha384, sha512).
     """
-    wanted = normalize(finger)
-    sum_type = HASHES_BY_LEN.get(len(wanted))
-    if not text or not sum_type:
+    wanted, hashed_with = normalize(finger), sum_type(finger)
+    if not text or not hashed_with:
         return False
-    return wanted in (normalize(body_finger(text, sum_type)), normalize(text_finger(text, sum_type)))
+    return wanted in (normalize(body_finger(text, hashed_with)),
+                      normalize(text_finger(text, hashed_with)))
 
 
 def file_matches(path, finger):
@@ -127,21 +127,13 @@ def file_matches(path, finger):
     return matches(read_key(path), finger)
 
 
+def sum_type(finger):
+    """The hash that made ``finger``, by its length (md5 ... sha512), or None."""
+    return HASHES_BY_LEN.get(len(normalize(finger)))
+
+
 def valid(finger):
     """True when ``finger`` is a fingerprint of a hash Salt can produce."""
-    return len(normalize(finger)) in HASHES_BY_LEN and bool(
+    return sum_type(finger) is not None and bool(
         re.fullmatch(r"[0-9a-fA-F:]+", str(finger or "").strip())
     )
-
-
-def master_pub_path(pki_dir, master_id=None, saltversion=None):
-    """
-    The file ``salt-key -F master`` reads on a master: ``<master id>.pub`` on
-    Salt 3008 when it exists (``master.pub`` is a symlink to it there), else
-    ``master.pub``.
-    """
-    if master_id and salt_major(saltversion) >= TEXT_FORM_SINCE:
-        path = os.path.join(pki_dir, f"{master_id}.pub")
-        if os.path.isfile(path) and not os.path.islink(path):
-            return path
-    return os.path.join(pki_dir, "master.pub")

@@ -1,16 +1,10 @@
 """
 The fleet report behind ``salt-run multimaster.audit``: the minions'
 ``multimaster.audit`` returns gathered through one master, folded into one
-report, and rendered as a compact table.
+report, and rendered as the rows of a compact table.
 """
 
-import logging
-
-from salt_multimaster.audit import CHECKS  # pylint: disable=import-error
-
-log = logging.getLogger(__name__)
-
-SEVERITY_ORDER = ("error", "warning", "info")
+from salt_multimaster.audit import CHECKS, SEVERITIES
 
 
 def minion_entry(ret):
@@ -164,7 +158,7 @@ def render_rows(report):
                 "{} {}".format(
                     check,
                     "/".join(f"{n}{sev[0].upper()}" for sev, n in sorted(
-                        by_sev.items(), key=lambda kv: SEVERITY_ORDER.index(kv[0])
+                        by_sev.items(), key=lambda kv: SEVERITIES.index(kv[0])
                     )),
                 )
                 for check, by_sev in report["totals"].items()
@@ -174,8 +168,3 @@ def render_rows(report):
         put("totals", "no findings")
     rows["retcode"] = report["retcode"]
     return rows
-
-
-def render_table(report):
-    """The rows as one text table (what the txt outputter prints)."""
-    return "".join(f"{k}: {v}\n" for k, v in render_rows(report).items())

@@ -1,10 +1,14 @@
 """
-Minion-side multi-master configuration: validation, deduplication, rendering
-and the trusted master key.
+Minion-side multi-master configuration: the managed drop-in (validation,
+rendering, the files Salt reads, :func:`check` and :func:`apply`) and the
+trusted master key (its path per topology, the PEM check, :func:`key_check`
+and :func:`key_apply` with a backup).  Master entries are parsed and
+deduplicated by :mod:`salt_multimaster.masters`, fingerprints made by
+:mod:`salt_multimaster.finger`.
 
 Plain functions without Salt's loader, used by the ``multimaster`` execution
 module and states (``multimaster.minion_config``, ``multimaster.master_key``)
-and unit-tested without daemons.
+and by the audit, and unit-tested without daemons.
 
 The managed drop-in is a small YAML file in the minion's ``minion.d`` folder.
 Salt reads ``minion.d/*.conf`` after the main ``minion`` file and a drop-in
@@ -12,22 +16,23 @@ value replaces the main file's value of the same key, so the drop-in alone
 decides the master list and the HA settings.
 """
 
-import ipaddress
+import datetime
+import fnmatch
+import glob
 import os
 import re
 
 import salt.utils.yaml
 
-from salt_multimaster import finger as _fingers
-from salt_multimaster import fsutil
-from salt_multimaster.layout import TOPOLOGIES  # noqa: F401  (re-exported)
-# one resolver and one fingerprint form for the audit and the states
-from salt_multimaster.audit import normalize_finger, resolve_hosts  # noqa: F401
+from salt_multimaster import finger, fsutil
+from salt_multimaster.layout import TOPOLOGIES, state_dir
+from salt_multimaster.masters import DEFAULT_MASTER_PORT, dedup, parse_lenient, resolve_hosts
+from salt_multimaster.masters import parse as parse_master
+from salt_multimaster.validate import InvalidInput
 
-DEFAULT_MASTER_PORT = 4506
 DROPIN_NAME = "multimaster.conf"
-MASTER_KEY_NAME = "minion_master.pub"
-MASTER_SIGN_KEY_NAME = "master_sign.pub"
+#: The master key a minion trusts (topology shared) in its pki_dir.
+TRUSTED_KEY_NAME = "minion_master.pub"
 HEADER = (
     "# Managed by Salt (multimaster.minion_config): local changes are replaced.\n"
     "# Master list and high-availability settings of this multi-master minion.\n"
@@ -55,71 +60,9 @@ SETTINGS = {
 }
 MANAGED_KEYS = ("master",) + tuple(SETTINGS)
 
-_HASHES_BY_LEN = {32: "md5", 40: "sha1", 56: "sha224", 64: "sha256", 96: "sha384", 128: "sha512"}
 
-
-# ---------------------------------------------------------------------------
-# Master list
-# ---------------------------------------------------------------------------
-def split_master(entry, default_port=DEFAULT_MASTER_PORT):
-    """
-    Return ``(host, port)`` for a ``master`` entry (``host``, ``host:port``,
-    ``[v6]:port``, ``v6``).  The host is lower-cased (DNS names are case
-    insensitive) and IP addresses are normalised; the port defaults to
-    ``default_port`` (the minion's ``master_port``).
-
-    Raises ValueError for an entry Salt could not use.
-    """
-    if not isinstance(entry, str) or not entry.strip():
-        raise ValueError(f"master entry {entry!r} is not a non-empty string")
-    text = entry.strip()
-    host, port = text, None
-    if text.startswith("["):
-        match = re.match(r"^\[([^\]]+)\](?::(\d+))?$", text)
-        if not match:
-            raise ValueError(f"master entry {entry!r} is not a valid [ipv6]:port")
-        host, port = match.group(1), match.group(2)
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-        if not port.isdigit():
-            raise ValueError(f"master entry {entry!r} has a non-numeric port")
-    if not host:
-        raise ValueError(f"master entry {entry!r} has no host")
-    try:
-        host = ipaddress.ip_address(host).compressed
-    except ValueError:
-        host = host.lower().rstrip(".")
-    port = int(port) if port is not None else int(default_port)
-    if not 0 < port < 65536:
-        raise ValueError(f"master entry {entry!r} has an invalid port {port}")
-    return host, port
-
-
-def dedup_masters(masters, default_port=DEFAULT_MASTER_PORT, resolved=None):
-    """
-    Remove duplicate masters, keeping the first spelling and the order.
-
-    ``host``, ``HOST`` and ``host:<master_port>`` are the same master, and so
-    are two names sharing an address in ``resolved`` (``{host: addresses}``,
-    see :func:`resolve_hosts`) with the same port: Salt would open two
-    connections to it and every job would return twice.  Return
-    ``(unique, duplicates)``: the entries to keep and the entries dropped.
-    """
-    resolved = resolved or {}
-    kept = []
-    unique, duplicates = [], []
-    for entry in masters:
-        host, port = split_master(entry, default_port)
-        addrs = resolved.get(host) or set()
-        if any(
-            port == kport and (host == khost or addrs & kaddrs)
-            for khost, kport, kaddrs in kept
-        ):
-            duplicates.append(entry)
-            continue
-        kept.append((host, port, addrs))
-        unique.append(entry.strip())
-    return unique, duplicates
+class WriteError(RuntimeError):
+    """A file that cannot be written, or does not hold what was written."""
 
 
 # ---------------------------------------------------------------------------
@@ -158,11 +101,11 @@ def validate(masters, settings, default_port=DEFAULT_MASTER_PORT, resolved=None)
         unique = []
         for entry in masters:
             try:
-                split_master(entry, default_port)
+                parse_master(entry, default_port)
             except ValueError as exc:
                 errors.append(str(exc))
         if not errors:
-            unique, _ = dedup_masters(masters, default_port, resolved)
+            unique, _ = dedup(masters, default_port, resolved)
     if not isinstance(settings, dict):
         errors.append(f"settings must be a mapping, not {type(settings).__name__}")
         return errors
@@ -232,7 +175,7 @@ def desired(masters, settings, default_port=DEFAULT_MASTER_PORT, resolved=None):
     publisher for all its masters and reads both options as integers, so a
     list would keep the minion from starting in ``ipc_mode: tcp``.
     """
-    unique, duplicates = dedup_masters(masters, default_port, resolved)
+    unique, duplicates = dedup(masters, default_port, resolved)
     notes = []
     if duplicates:
         notes.append(f"removed duplicate masters: {', '.join(duplicates)}")
@@ -285,9 +228,15 @@ def diff(old, new, keys=None):
 # ---------------------------------------------------------------------------
 # Reading the minion's configuration files
 # ---------------------------------------------------------------------------
-def default_dropin_path(conf_file):
-    """``<dir of conf_file>/minion.d/multimaster.conf``."""
-    return os.path.join(os.path.dirname(conf_file), "minion.d", DROPIN_NAME)
+def dropin_path(conf_file, name=None):
+    """
+    The managed drop-in: ``name`` (default ``multimaster.conf``) in the
+    ``minion.d`` folder beside ``conf_file``, or ``name`` when absolute.
+    """
+    name = name or DROPIN_NAME
+    if os.path.isabs(name):
+        return name
+    return os.path.join(os.path.dirname(conf_file), "minion.d", name)
 
 
 def read_text(path):
@@ -311,9 +260,6 @@ def config_files(conf_file, extra=None):
     ``include`` entries.  Only existing files are returned, plus ``extra``
     (a file about to be written) where Salt would read it.
     """
-    import fnmatch  # pylint: disable=import-outside-toplevel
-    import glob  # pylint: disable=import-outside-toplevel
-
     files = [conf_file] if os.path.isfile(conf_file) else []
     main = _load_yaml_file(conf_file)
     conf_dir = os.path.dirname(conf_file)
@@ -371,32 +317,138 @@ def overriding_files(conf_file, dropin, keys):
     return ret
 
 
-def atomic_write(path, text, mode=0o644):
-    """Write ``text`` to ``path``: temp file in the same folder, fsync, rename."""
-    fsutil.makedirs(os.path.dirname(path) or ".")
-    fsutil.atomic_write(path, text, mode=mode)
 
 
-def key_finger(text, sum_type="sha256"):
+# ---------------------------------------------------------------------------
+# The drop-in: check and apply
+# ---------------------------------------------------------------------------
+def check(conf_file, masters, settings, name=None, running=None):
     """
-    The master fingerprint of a PEM public key's text, as the installed Salt's
-    ``salt-key -F master`` prints it (``finger.master_finger``).
+    Compare the drop-in ``name`` (:func:`dropin_path`) of the minion whose
+    main config file is ``conf_file`` with the wanted ``masters`` and HA
+    ``settings``, changing nothing.  ``running``: the running minion's
+    options (its ``master_port`` when the files set none, and the notes on
+    settings it has not loaded yet).
+
+    Returns ``path``, ``errors`` (invalid input: nothing may be written),
+    ``current`` and ``desired`` settings, ``changes`` (``{key: {old, new}}``),
+    ``rewrite`` (the file's text differs), ``restart_needed``, ``notes`` and,
+    without errors, ``content`` (the text to write).
     """
-    return _fingers.master_finger(text, sum_type)
+    running = running or {}
+    path = dropin_path(conf_file, name)
+    merged, _ = effective_config(conf_file)
+    master_port = merged.get("master_port", running.get("master_port", DEFAULT_MASTER_PORT))
+    try:
+        master_port = int(master_port)
+    except (TypeError, ValueError):
+        master_port = DEFAULT_MASTER_PORT
+    ret = {
+        "path": path,
+        "errors": [],
+        "current": {},
+        "desired": None,
+        "changes": {},
+        "rewrite": False,
+        "restart_needed": False,
+        "notes": [],
+    }
+    text = read_text(path)
+    current = parse(text)
+    if current is None:
+        ret["notes"].append(f"{path} is not valid YAML: it will be replaced")
+        current = {}
+    ret["current"] = current
+    resolved = {}
+    if isinstance(masters, (list, tuple)):
+        parsed = (parse_lenient(entry, master_port) for entry in masters)
+        resolved = resolve_hosts([key[0] for key, error in parsed if not error])
+    ret["errors"] = validate(masters, settings, master_port, resolved)
+    if ret["errors"]:
+        return ret
+    wanted, notes = desired(masters, settings, master_port, resolved)
+    ret["notes"].extend(notes)
+    overridden = overriding_files(conf_file, path, list(wanted))
+    if "*" in overridden:
+        ret["errors"].append(overridden["*"])
+        return ret
+    if overridden:
+        ret["errors"].append(
+            "Salt reads these files after {} and they set the same keys again: {}; "
+            "remove the keys there".format(
+                path, ", ".join(f"{k} ({p})" for k, p in sorted(overridden.items()))
+            )
+        )
+        return ret
+    ret["desired"] = wanted
+    ret["content"] = render(wanted)
+    ret["changes"] = diff(current, wanted)
+    ret["rewrite"] = text != ret["content"]
+    ret["restart_needed"] = bool(ret["changes"])
+    for key, value in wanted.items():
+        if key in ("master", "tcp_pub_port", "tcp_pull_port"):
+            continue
+        if not ret["changes"] and running.get(key) != value:
+            ret["notes"].append(
+                f"the running minion still uses {key}={running.get(key)!r}: "
+                "it loads the drop-in when it restarts"
+            )
+    return ret
 
 
-def finger_matches(text, finger):
+def apply(conf_file, masters, settings, name=None, running=None):
     """
-    True when the PEM ``text`` has fingerprint ``finger`` in either of Salt's
-    forms (``finger.matches``); the hash is chosen by the fingerprint's length
-    (md5, sha1, sha224, sha256, sha384, sha512).
+    Write the drop-in (temp file in the same folder, fsync, rename) when it
+    differs from :func:`check`'s ``content``; return :func:`check`'s answer
+    with ``written``.  Raises InvalidInput for invalid input (nothing is
+    written) and WriteError when the file cannot be written or does not hold
+    the wanted settings afterwards.
     """
-    return _fingers.matches(text, finger)
+    ret = check(conf_file, masters, settings, name=name, running=running)
+    if ret["errors"]:
+        raise InvalidInput("; ".join(ret["errors"]))
+    ret["written"] = False
+    if ret["rewrite"]:
+        _write(ret["path"], ret["content"], 0o644)
+        ret["written"] = True
+        after = check(conf_file, masters, settings, name=name, running=running)
+        if after["rewrite"] or after["errors"]:
+            raise WriteError(f"{ret['path']} does not hold the wanted settings after writing it")
+    return ret
 
 
-def valid_finger(finger):
-    """True when ``finger`` is a fingerprint of a hash Salt can produce."""
-    return _fingers.valid(finger)
+def _write(path, text, mode):
+    """Temp file in the same folder, fsync, rename; OSError -> WriteError."""
+    try:
+        fsutil.makedirs(os.path.dirname(path) or ".")
+        fsutil.atomic_write(path, text, mode=mode)
+    except OSError as exc:
+        raise WriteError(f"cannot write {path}: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------
+# The trusted master key
+# ---------------------------------------------------------------------------
+def trusted_key_name(topology, sign_key_name=None):
+    """
+    The key file a minion trusts: ``<master_sign_key_name>.pub`` (topology
+    signed, default master_sign.pub) or ``minion_master.pub``.
+    """
+    if topology == "signed":
+        return f"{sign_key_name or 'master_sign'}.pub"
+    return TRUSTED_KEY_NAME
+
+
+def trusted_key_path(opts, topology="shared", name=None):
+    """
+    Where the minion with options ``opts`` keeps the master key it trusts:
+    ``name`` (default :func:`trusted_key_name`) in its ``pki_dir``, or
+    ``name`` when absolute.
+    """
+    name = name or trusted_key_name(topology, opts.get("master_sign_key_name"))
+    if os.path.isabs(name):
+        return name
+    return os.path.join(opts.get("pki_dir") or "", name)
 
 
 def normalize_pem(text):
@@ -418,11 +470,106 @@ def looks_like_public_key(text):
     )
 
 
-def master_key_name(topology, sign_key_name=None):
+def key_check(path, topology="shared", contents=None, source=None, master_finger=None,
+              fetch=None, hash_type="sha256"):
     """
-    The key file a minion trusts: ``<master_sign_key_name>.pub`` (topology
-    signed, default master_sign.pub) or ``minion_master.pub``.
+    Compare the trusted master key at ``path`` with the expected one,
+    changing nothing.  The expected key is ``contents`` (PEM), else
+    ``fetch(source)``'s answer; ``master_finger`` alone checks the key at
+    ``path`` by its fingerprint (either of Salt's forms, :mod:`finger`).
+
+    Returns ``path``, ``errors``, ``match``, ``current_finger``,
+    ``expected_finger`` and ``expected`` (the key text, when known).  The
+    fingerprints are in the installed Salt's ``salt-key -F master`` form,
+    with the hash of ``master_finger`` when given, else ``hash_type``.
     """
-    if topology == "signed":
-        return f"{sign_key_name or 'master_sign'}.pub"
-    return MASTER_KEY_NAME
+    ret = {
+        "path": path,
+        "errors": [],
+        "match": False,
+        "current_finger": None,
+        "expected_finger": None,
+        "expected": None,
+    }
+    if topology not in TOPOLOGIES:
+        ret["errors"].append(f"topology {topology!r} is not one of {', '.join(TOPOLOGIES)}")
+        return ret
+    if master_finger and not finger.valid(master_finger):
+        ret["errors"].append(f"master_finger {master_finger!r} is not a key fingerprint")
+        return ret
+    expected = contents
+    if expected is None and source:
+        try:
+            expected = fetch(source)
+        except Exception as exc:  # pylint: disable=broad-except
+            ret["errors"].append(f"cannot fetch {source}: {exc}")
+            return ret
+        if not expected:
+            ret["errors"].append(f"cannot fetch {source}: no such file on the master")
+            return ret
+    if expected is not None:
+        expected = normalize_pem(expected)
+        if not looks_like_public_key(expected):
+            ret["errors"].append("the expected master key is not a PEM public key")
+            return ret
+        if master_finger and not finger.matches(expected, master_finger):
+            ret["errors"].append(
+                f"the expected master key does not have fingerprint {master_finger}")
+            return ret
+    elif not master_finger:
+        ret["errors"].append("give the expected key (contents or source) or its master_finger")
+        return ret
+    sum_type = finger.sum_type(master_finger) if master_finger else hash_type or "sha256"
+    current = read_text(path)
+    if current:
+        ret["current_finger"] = finger.master_finger(current, sum_type)
+    if expected is not None:
+        ret["expected"] = expected
+        ret["expected_finger"] = finger.master_finger(expected, sum_type)
+        ret["match"] = current is not None and normalize_pem(current) == expected
+    else:
+        ret["expected_finger"] = master_finger
+        ret["match"] = bool(current) and finger.matches(current, master_finger)
+    return ret
+
+
+def backup_dir(opts):
+    """A new ``<cachedir>/multimaster/backup/<UTC timestamp>`` path (not created)."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    return os.path.join(state_dir(opts), "backup", stamp)
+
+
+def key_apply(opts, path, topology="shared", contents=None, source=None, master_finger=None,
+              fetch=None):
+    """
+    Make the key at ``path`` the expected one (:func:`key_check`): a stale key
+    is copied to :func:`backup_dir` first, then replaced (temp file, fsync,
+    rename).  Returns :func:`key_check`'s answer with ``written`` and
+    ``backup``.  Raises InvalidInput for invalid input and WriteError when
+    the key is wrong but no expected key content was given, or cannot be
+    written.
+    """
+    hash_type = opts.get("hash_type", "sha256")
+    ret = key_check(path, topology, contents, source, master_finger, fetch, hash_type)
+    if ret["errors"]:
+        raise InvalidInput("; ".join(ret["errors"]))
+    ret["written"] = False
+    ret["backup"] = None
+    if ret["match"]:
+        return ret
+    if ret["expected"] is None:
+        raise WriteError(
+            "{} has fingerprint {}, not {}, and no key content was given to replace "
+            "it".format(path, ret["current_finger"], ret["expected_finger"])
+        )
+    try:
+        ret["backup"] = fsutil.backup(path, backup_dir(opts), os.path.basename(path))
+        fsutil.makedirs(os.path.dirname(path), mode=0o700)
+    except OSError as exc:
+        raise WriteError(f"cannot replace {path}: {exc}") from exc
+    _write(path, ret["expected"], 0o644)
+    ret["written"] = True
+    after = key_check(path, topology, ret["expected"], None, master_finger, None, hash_type)
+    if not after["match"]:
+        raise WriteError(f"{path} does not hold the expected key after writing it")
+    return ret

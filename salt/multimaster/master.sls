@@ -50,8 +50,8 @@ multimaster-master-file-serialize:
 multimaster-master-multimaster-restart_scheduled:
   multimaster.restart_scheduled:
     - name: salt-master
-    - cmd: {{ master.restart_cmd | tojson }}
-    - delay: {{ master.restart_delay | int }}
+    - cmd: {{ (master.restart_cmd or none) | tojson }}
+    - delay: {{ master.restart_delay | tojson }}
     - onchanges:
       - multimaster-master-file-serialize
 {%- endif %}

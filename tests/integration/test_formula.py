@@ -22,7 +22,7 @@ import time
 import pytest
 import salt.utils.yaml
 import salt.version
-import salt_multimaster.minion_config
+from salt_multimaster import finger as fingers
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -191,7 +191,7 @@ def test_master_key_state_replaces_stale_signing_key(frm, mm_root):
     keys = mm_root / "frm-top" / "frm-keys"
     keys.mkdir(exist_ok=True)
     (keys / "master_sign.pub").write_bytes(good)
-    finger = salt_multimaster.minion_config.key_finger(good.decode())
+    finger = fingers.master_finger(good.decode())
     args = ("multimaster.master_key", "master_sign.pub",
             "source=salt://frm-keys/master_sign.pub", "topology=signed",
             f"master_finger={finger}", "restart=False")

@@ -1,24 +1,27 @@
 """
 Unit tests of the audit: the checks in ``salt_multimaster.audit``, the fleet
-report in ``salt_multimaster.fleet``, and the loader functions
-``multimaster.audit`` (execution module) and ``multimaster.audit`` (runner)
-with their dunders patched.  No daemons.
+report in ``salt_multimaster.fleet``, and the runner ``multimaster.audit``
+with its dunders patched.  No daemons; the execution module
+``multimaster.audit`` is tested through Salt's loader in tests/functional.
 """
 
 import importlib.util
+import os
 import pathlib
 from unittest import mock
 
 import pytest
+import salt.config
 import salt.utils.crypt
 import salt.version
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
-from salt.exceptions import SaltInvocationError
 
 import salt_multimaster.audit as audit
 import salt_multimaster.fleet as fleet
 from salt_multimaster import finger as finger_mod
+from salt_multimaster import masters, minion_config
+from tests.unit.test_masters import fake_resolver
 
 REPO = pathlib.Path(__file__).resolve().parent.parent.parent
 VERSION = salt.version.__version__
@@ -34,11 +37,6 @@ def _load(path, name):
 
 
 @pytest.fixture(scope="module")
-def mod():
-    return _load("_modules/multimaster.py", "mm_module_under_test")
-
-
-@pytest.fixture(scope="module")
 def runner():
     return _load("_runners/multimaster.py", "mm_runner_under_test")
 
@@ -48,46 +46,6 @@ def _pub_pem():
     return key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-
-
-def fake_resolver(table):
-    def resolve(name):
-        if name not in table:
-            raise OSError("Name or service not known")
-        return set(table[name])
-
-    return resolve
-
-
-# ----- master entries ---------------------------------------------------------------
-@pytest.mark.parametrize(
-    "entry,expected",
-    [
-        ("master01", ("master01", 4506)),
-        ("Master01.Example.COM.", ("master01.example.com", 4506)),
-        ("10.0.0.1:4506", ("10.0.0.1", 4506)),
-        ("10.0.0.1:5506", ("10.0.0.1", 5506)),
-        ("[::1]:4506", ("::1", 4506)),
-        ("fe80:0:0::1", ("fe80::1", 4506)),
-    ],
-)
-def test_parse_master(entry, expected):
-    assert audit.parse_master(entry) == expected
-
-
-def test_split_masters():
-    assert audit.split_masters("a, b,,c") == ["a", "b", "c"]
-    assert audit.split_masters(["a", " b "]) == ["a", "b"]
-    assert audit.split_masters(None) is None
-    assert audit.master_entries("salt") == ["salt"]
-    assert audit.master_entries(["a", ""]) == ["a"]
-
-
-def test_resolve_hosts_gives_up_on_unknown_names():
-    resolved = audit.resolve_hosts(
-        ["10.0.0.1", "m1", "nope"], resolver=fake_resolver({"m1": ["10.0.0.1"]})
-    )
-    assert resolved == {"10.0.0.1": {"10.0.0.1"}, "m1": {"10.0.0.1"}, "nope": set()}
 
 
 # ----- master_list ------------------------------------------------------------------
@@ -117,14 +75,42 @@ def test_master_list_port_matters():
     assert len(ret) == 2
 
 
+@pytest.mark.parametrize("entry,reason", [
+    ("m2:abc", "master entry 'm2:abc' has a non-numeric port"),
+    ("m2:0", "master entry 'm2:0' has an invalid port 0"),
+    ("m2:99999", "master entry 'm2:99999' has an invalid port 99999"),
+])
+def test_master_list_entry_the_state_refuses(entry, reason):
+    """The audit flags what multimaster.minion_config refuses: one parser."""
+    remedy = ("Fix or remove the entry in 'master' in the minion configuration (a host, "
+              "host:port with a port from 1 to 65535, or [ipv6]:port) and restart "
+              "salt-minion; the salt.multimaster.minion state refuses to write it too.")
+    bad = {"check": "master_list", "severity": "error",
+           "message": f"Master entry {entry!r} in 'master' cannot be used: {reason}.",
+           "remedy": remedy}
+    assert audit.check_master_list(["m1", entry], None)[0] == bad
+    ret = audit.check_master_list(["m1", entry], ["m1", "m2"], 4506, {})
+    assert ret[0] == bad
+    assert [f["message"] for f in ret[1:]] == [
+        "Expected master(s) missing from the minion configuration: m2",
+        f"Configured master(s) not in the expected list: {entry}"]
+    with pytest.raises(ValueError, match=reason):
+        minion_config.apply("/nonexistent/minion", ["m1", entry], {})
+    # never connected to, never a duplicate of a valid entry
+    assert audit.check_master_reachable([entry], connect=lambda h, p, t: "refused") == []
+    assert audit.check_duplicate_master(["m2", entry], 4506, {}) == []
+    assert audit.check_master_list(["m1"], [entry], 4506, {})[0]["message"] == (
+        f"Master entry {entry!r} in the expected list cannot be used: {reason}.")
+
+
 # ----- duplicate_master ---------------------------------------------------------------
 def test_duplicate_master_spellings():
-    resolved = audit.resolve_hosts(
+    resolved = masters.resolve_hosts(
         ["master01", "10.0.0.1", "10.0.0.2"],
         resolver=fake_resolver({"master01": ["10.0.0.1"]}),
     )
-    masters = ["master01", "10.0.0.2", "10.0.0.1:4506", "10.0.0.2:4506"]
-    ret = audit.check_duplicate_master(masters, 4506, resolved)
+    configured = ["master01", "10.0.0.2", "10.0.0.1:4506", "10.0.0.2:4506"]
+    ret = audit.check_duplicate_master(configured, 4506, resolved)
     assert ret == [
         {
             "check": "duplicate_master",
@@ -197,9 +183,9 @@ def test_master_pubkey(tmp_path):
     path.write_bytes(_pub_pem())
     finger = salt.utils.crypt.pem_finger(str(path), sum_type="sha256")
     # reported in the installed Salt's salt-key -F form; either form matches
-    assert audit.key_finger(str(path), "sha256") == finger_mod.file_finger(str(path))
     text_form = salt.utils.crypt.pem_finger(key=path.read_bytes(), sum_type="sha256")
-    assert audit.check_master_pubkey(str(path), audit.key_finger(str(path)), text_form) == []
+    assert audit.check_master_pubkey(str(path), finger_mod.file_finger(str(path)),
+                                     text_form) == []
     assert audit.check_master_pubkey(str(path), finger, finger) == []
     assert audit.check_master_pubkey(str(path), finger, finger.upper()) == []
     stale = audit.check_master_pubkey(str(path), finger, "aa:bb")
@@ -210,14 +196,6 @@ def test_master_pubkey(tmp_path):
     assert [f["severity"] for f in missing] == ["error"]
     assert "missing" in missing[0]["message"]
     assert audit.check_master_pubkey(str(path), finger, None)[0]["severity"] == "info"
-
-
-def test_master_key_path():
-    opts = {"pki_dir": "/p"}
-    assert audit.master_key_path(opts) == "/p/minion_master.pub"
-    assert audit.master_key_path(opts, "signed") == "/p/master_sign.pub"
-    opts["master_sign_key_name"] = "sign"
-    assert audit.master_key_path(opts, "signed") == "/p/sign.pub"
 
 
 def test_master_pubkey_signed_missing_remedy():
@@ -381,15 +359,13 @@ def test_list_processes_sees_this_process():
 
 # ----- the whole audit ------------------------------------------------------------------
 @pytest.fixture
-def minion_tree(tmp_path):
-    """A minion config dir with a cached master key."""
+def minion_opts(tmp_path):
+    """A minion's options read from its config files, with a cached master key."""
     conf_dir = tmp_path / "conf"
     pki = tmp_path / "pki"
     (conf_dir / "minion.d").mkdir(parents=True)
     pki.mkdir()
     (pki / "minion_master.pub").write_bytes(_pub_pem())
-    # the installed Salt's salt-key -F master form
-    finger = finger_mod.file_finger(str(pki / "minion_master.pub"), "sha256")
     (conf_dir / "minion").write_text(
         "id: m1\n"
         "master: [10.0.0.1, 10.0.0.2]\n"
@@ -397,73 +373,35 @@ def minion_tree(tmp_path):
         f"cachedir: {tmp_path / 'cache'}\n"
         "master_alive_interval: 30\n"
     )
-    return {"conf_file": str(conf_dir / "minion"), "pki_dir": str(pki), "finger": finger,
-            "conf_dir": conf_dir}
+    opts = salt.config.minion_config(str(conf_dir / "minion"), minion_id="m1")
+    opts["conf_file"] = str(conf_dir / "minion")
+    return opts
 
 
-def _run(mod, tree, pillar=None, connect=None, processes=None, **kwargs):
-    opts = {"id": "m1", "conf_file": tree["conf_file"], "master": "10.0.0.1",
-            "pki_dir": tree["pki_dir"]}
-    context = {}
-    with mock.patch.dict(mod.__opts__, opts, clear=True), \
-            mock.patch.dict(mod.__pillar__, pillar or {}, clear=True), \
-            mock.patch.dict(mod.__context__, context, clear=True), \
-            mock.patch.object(audit, "tcp_connect", connect or (lambda h, p, t: None)), \
-            mock.patch.object(audit, "list_processes", lambda: processes or []):
-        ret = mod.audit(**kwargs)
-        return ret, dict(mod.__context__)
+def _audit(opts, **kwargs):
+    kwargs.setdefault("connect", lambda h, p, t: None)
+    kwargs.setdefault("processes", [])
+    return audit.run_audit(opts, **kwargs)
 
 
-def test_module_audit_right(mod, minion_tree):
-    ret, context = _run(mod, minion_tree, masters="10.0.0.1,10.0.0.2",
-                        master_finger=minion_tree["finger"], master_version=VERSION)
-    assert ret == {
-        "result": True,
-        "findings": [],
-        # the configured list from the config file, not __opts__["master"]
-        "masters": ["10.0.0.1", "10.0.0.2"],
-        "master_finger": minion_tree["finger"],
-        "saltversion": VERSION,
-    }
-    assert context.get("retcode", 0) == 0
+def test_run_audit_right(minion_opts):
+    finger = finger_mod.file_finger(os.path.join(minion_opts["pki_dir"], "minion_master.pub"))
+    ret = _audit(minion_opts, expected_masters=["10.0.0.1", "10.0.0.2"], expected_finger=finger,
+                 master_versions={"(all)": VERSION})
+    assert ret == {"result": True, "findings": [], "masters": ["10.0.0.1", "10.0.0.2"],
+                   "master_finger": finger, "saltversion": VERSION}
 
 
-def test_module_audit_reads_expectations_from_pillar(mod, minion_tree):
-    pillar = {"multimaster": {"masters": ["10.0.0.1", "10.0.0.3"],
-                              "master_finger": minion_tree["finger"],
-                              "master_version": "3006.0", "topology": "shared"}}
-    ret, context = _run(mod, minion_tree, pillar=pillar)
-    assert ret["result"] is False
+def test_run_audit_faults(minion_opts):
+    minion_opts["master"] = ["10.0.0.1", "10.0.0.1:4506", "10.0.0.2", "10.0.0.3:abc"]
+    minion_opts["master_alive_interval"] = 0
+    conf_dir = os.path.dirname(minion_opts["conf_file"])
+    processes = [(10, 1, ["salt-minion", "-c", conf_dir], "/"),
+                 (11, 1, ["salt-minion", "-c", conf_dir], "/")]
+    ret = _audit(minion_opts, expected_finger="00:11", processes=processes,
+                 connect=lambda h, p, t: "Connection refused" if h == "10.0.0.2" else None)
     assert [(f["check"], f["severity"]) for f in ret["findings"]] == [
-        ("master_list", "error"),
-        ("master_list", "error"),
-        ("version_skew", "error"),
-    ]
-    assert context["retcode"] == 1
-
-
-def test_module_audit_kwargs_override_pillar(mod, minion_tree):
-    pillar = {"multimaster": {"masters": ["10.0.0.9"], "master_finger": "aa:bb"}}
-    ret, _ = _run(mod, minion_tree, pillar=pillar, masters=["10.0.0.1", "10.0.0.2"],
-                  master_finger=minion_tree["finger"], master_version=VERSION)
-    assert ret["findings"] == []
-
-
-def test_module_audit_faults(mod, minion_tree):
-    (minion_tree["conf_dir"] / "minion.d" / "fault.conf").write_text(
-        "master: [10.0.0.1, '10.0.0.1:4506', 10.0.0.2]\nmaster_alive_interval: 0\n"
-    )
-    processes = [
-        (10, 1, ["salt-minion", "-c", str(minion_tree["conf_dir"])], "/"),
-        (11, 1, ["salt-minion", "-c", str(minion_tree["conf_dir"])], "/"),
-    ]
-    ret, context = _run(
-        mod, minion_tree,
-        connect=lambda h, p, t: "Connection refused" if h == "10.0.0.2" else None,
-        processes=processes, master_finger="00:11",
-    )
-    assert ret["masters"] == ["10.0.0.1", "10.0.0.1:4506", "10.0.0.2"]
-    assert [(f["check"], f["severity"]) for f in ret["findings"]] == [
+        ("master_list", "error"),  # 10.0.0.3:abc
         ("master_list", "info"),
         ("duplicate_master", "error"),
         ("master_reachable", "error"),
@@ -472,36 +410,18 @@ def test_module_audit_faults(mod, minion_tree):
         ("version_skew", "info"),
         ("duplicate_minion_process", "error"),
     ]
-    assert ret["result"] is False and context["retcode"] == 1
+    assert ret["result"] is False
+    with pytest.raises(ValueError, match="topology must be one of shared, signed"):
+        _audit(minion_opts, topology="mesh")
 
 
-def test_module_audit_bad_input(mod, minion_tree):
-    with pytest.raises(SaltInvocationError):
-        _run(mod, minion_tree, topology="mesh")
-    with pytest.raises(SaltInvocationError):
-        _run(mod, minion_tree, timeout="soon")
-
-
-@pytest.mark.parametrize("timeout,message", [
-    (-1, "timeout must be more than 0 seconds, not -1"),
-    (0, "timeout must be more than 0 seconds, not 0"),
-    ("nan", "timeout must be a finite number of seconds, not 'nan'"),
-    (float("inf"), "timeout must be a finite number of seconds, not inf"),
-    (1e9, "timeout must be at most 60 seconds, not 1000000000.0"),
-])
-def test_module_audit_bad_timeout(mod, minion_tree, timeout, message):
-    with pytest.raises(SaltInvocationError) as exc:
-        _run(mod, minion_tree, timeout=timeout)
-    assert str(exc.value) == f"multimaster.audit: {message}"
-
-
-def test_module_audit_changes_nothing(mod, minion_tree, tmp_path):
+def test_run_audit_changes_nothing(minion_opts, tmp_path):
     def snapshot():
         return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else b"")
                 for p in sorted(tmp_path.rglob("*"))}
 
     before = snapshot()
-    _run(mod, minion_tree)
+    _audit(minion_opts)
     assert snapshot() == before
 
 
@@ -569,9 +489,6 @@ def test_render_rows():
     assert list(rows)[:3] == ["master ", "db01   ", "web01  "]
     # a minion named like a row label never clobbers the exit code
     assert list(rows)[3] == "retcode (minion)" and list(rows)[-1] == "retcode"
-    table = fleet.render_table(report)
-    assert table.splitlines()[1] == "db01   : FAIL duplicate_master(E) master_alive_interval(W)"
-    assert table.splitlines()[-1] == "retcode: 1"
 
 
 # ----- runner ---------------------------------------------------------------------------

@@ -60,9 +60,8 @@ def test_matches_either_form():
     assert not finger.valid("") and not finger.valid(None)
 
 
-def test_master_pub_path(tmp_path):
-    (tmp_path / "m1.pub").write_text(_pub())
-    (tmp_path / "master.pub").symlink_to(tmp_path / "m1.pub")
-    assert finger.master_pub_path(str(tmp_path), "m1", "3008.3") == str(tmp_path / "m1.pub")
-    assert finger.master_pub_path(str(tmp_path), "m1", "3007.15") == str(tmp_path / "master.pub")
-    assert finger.master_pub_path(str(tmp_path), "m2", "3008.3") == str(tmp_path / "master.pub")
+def test_sum_type():
+    pub = _pub()
+    for sum_type in ("md5", "sha1", "sha224", "sha256", "sha384", "sha512"):
+        assert finger.sum_type(finger.body_finger(pub, sum_type)) == sum_type
+    assert finger.sum_type("ab:cd") is None and finger.sum_type(None) is None

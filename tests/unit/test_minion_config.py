@@ -5,12 +5,12 @@ Pure logic of the minion configuration states: salt_multimaster.minion_config.
 import os
 
 import pytest
-import salt.utils.crypt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 import salt_multimaster.minion_config as mc
 from salt_multimaster import finger as finger_mod
+from salt_multimaster.validate import InvalidInput
 
 
 def _pub():
@@ -18,55 +18,6 @@ def _pub():
     return key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     ).decode()
-
-
-@pytest.mark.parametrize(
-    "entry,expected",
-    [
-        ("Master01.Example.com", ("master01.example.com", 4506)),
-        ("master01.example.com.", ("master01.example.com", 4506)),
-        ("10.0.0.1:4510", ("10.0.0.1", 4510)),
-        ("[2001:db8::1]:4506", ("2001:db8::1", 4506)),
-        ("2001:0db8::1", ("2001:db8::1", 4506)),
-    ],
-)
-def test_split_master(entry, expected):
-    assert mc.split_master(entry) == expected
-
-
-@pytest.mark.parametrize("entry", ["", "  ", "host:abc", "host:0", "host:70000", None, 5])
-def test_split_master_invalid(entry):
-    with pytest.raises(ValueError):
-        mc.split_master(entry)
-
-
-def test_dedup_keeps_first_spelling_and_order():
-    unique, dups = mc.dedup_masters(
-        ["m1", "m2", "M1:4506", "m1:4510", "m2", "m3", "m1."]
-    )
-    assert unique == ["m1", "m2", "m1:4510", "m3"]
-    assert dups == ["M1:4506", "m2", "m1."]
-
-
-def test_dedup_uses_master_port_and_addresses():
-    unique, dups = mc.dedup_masters(["m1", "m1:4506"], default_port=4510)
-    assert unique == ["m1", "m1:4506"] and dups == []
-    resolved = {"m1": {"10.0.0.1"}, "10.0.0.1": {"10.0.0.1"}, "m2": {"10.0.0.2"}}
-    unique, dups = mc.dedup_masters(["m1", "m2", "10.0.0.1"], resolved=resolved)
-    assert unique == ["m1", "m2"] and dups == ["10.0.0.1"]
-
-
-def test_resolve_hosts_ip_and_failures():
-    def resolver(name):
-        if name == "bad":
-            raise OSError("nope")
-        return {"10.1.1.1"}
-
-    assert mc.resolve_hosts(["127.0.0.1", "good", "bad"], resolver=resolver) == {
-        "127.0.0.1": {"127.0.0.1"},
-        "good": {"10.1.1.1"},
-        "bad": set(),
-    }
 
 
 def test_validate_ok():
@@ -168,7 +119,7 @@ def test_config_files_order_and_overrides(tmp_path):
     _write(conf, "master: [a, a]\n")
     _write(str(tmp_path / "minion.d" / "10-x.conf"), "master_alive_interval: 5\n")
     _write(str(tmp_path / "minion.d" / "zz.conf"), "master: [c]\n")
-    dropin = mc.default_dropin_path(conf)
+    dropin = mc.dropin_path(conf)
     assert dropin == str(tmp_path / "minion.d" / "multimaster.conf")
     assert mc.config_files(conf) == [
         conf, str(tmp_path / "minion.d" / "10-x.conf"), str(tmp_path / "minion.d" / "zz.conf")
@@ -185,31 +136,113 @@ def test_config_files_order_and_overrides(tmp_path):
     assert "*" in mc.overriding_files(conf, str(tmp_path / "elsewhere.conf"), ["master"])
 
 
-def test_atomic_write(tmp_path):
-    path = str(tmp_path / "d" / "f.conf")
-    mc.atomic_write(path, "x: 1\n")
-    mc.atomic_write(path, "x: 2\n", mode=0o600)
-    assert open(path, encoding="utf-8").read() == "x: 2\n"
-    assert os.stat(path).st_mode & 0o777 == 0o600
-    assert os.listdir(str(tmp_path / "d")) == ["f.conf"]
+def test_dropin_path():
+    assert mc.dropin_path("/etc/salt/minion") == "/etc/salt/minion.d/multimaster.conf"
+    assert mc.dropin_path("/etc/salt/minion", "x.conf") == "/etc/salt/minion.d/x.conf"
+    assert mc.dropin_path("/etc/salt/minion", "/abs/x.conf") == "/abs/x.conf"
 
 
-def test_key_finger_matches_salt(tmp_path):
-    pub = _pub()
-    path = tmp_path / "k.pub"
-    path.write_text(pub)
-    for sum_type in ("sha256", "md5", "sha512"):
-        # the installed Salt's salt-key -F form (finger.master_finger)
-        assert mc.key_finger(pub, sum_type) == finger_mod.master_finger(pub, sum_type)
-        # both of Salt's forms name the key
-        assert mc.finger_matches(pub, salt.utils.crypt.pem_finger(key=pub, sum_type=sum_type))
-    finger = salt.utils.crypt.pem_finger(str(path))
-    assert mc.finger_matches(pub, finger)
-    assert mc.finger_matches(pub.replace("\n", "\r\n"), finger.upper())
-    assert mc.finger_matches(pub, salt.utils.crypt.pem_finger(str(path), sum_type="md5"))
-    assert not mc.finger_matches(_pub(), finger)
-    assert not mc.finger_matches(pub, "ab:cd")
-    assert mc.valid_finger(finger) and not mc.valid_finger("zz:11") and not mc.valid_finger("")
+@pytest.fixture
+def conf(tmp_path):
+    path = tmp_path / "minion"
+    path.write_text("master: [m1, m1]\nmaster_port: 4510\n")
+    return str(path)
+
+
+def test_check_and_apply(conf, tmp_path):
+    running = {"master_alive_interval": 0}
+    check = mc.check(conf, ["m1", "m1:4510", "m2"], {"master_alive_interval": 30},
+                     running=running)
+    assert check["errors"] == [] and check["rewrite"] is True and check["restart_needed"]
+    assert check["desired"] == {"master": ["m1", "m2"], "master_alive_interval": 30}
+    assert check["notes"] == ["removed duplicate masters: m1:4510"]
+    dropin = tmp_path / "minion.d" / "multimaster.conf"
+    assert not dropin.exists()
+    applied = mc.apply(conf, ["m1", "m2"], {"master_alive_interval": 30}, running=running)
+    assert applied["written"] is True and dropin.read_text() == check["content"]
+    assert os.stat(dropin).st_mode & 0o777 == 0o644
+    again = mc.apply(conf, ["m1", "m2"], {"master_alive_interval": 30}, running=running)
+    assert again["written"] is False and again["changes"] == {}
+    # written, the running minion has not loaded it yet
+    assert again["notes"] == ["the running minion still uses master_alive_interval=0: it "
+                              "loads the drop-in when it restarts"]
+
+
+def test_apply_refuses_and_writes_nothing(conf, tmp_path, monkeypatch):
+    with pytest.raises(InvalidInput, match="master entry 'm2:0' has an invalid port 0"):
+        mc.apply(conf, ["m1", "m2:0"], {})
+    (tmp_path / "minion.d").mkdir()
+    (tmp_path / "minion.d" / "zz.conf").write_text("master_alive_interval: 1\n")
+    check = mc.check(conf, ["m1"], {"master_alive_interval": 30})
+    assert check["errors"] == [
+        f"Salt reads these files after {tmp_path / 'minion.d' / 'multimaster.conf'} and they "
+        f"set the same keys again: master_alive_interval ({tmp_path / 'minion.d' / 'zz.conf'})"
+        "; remove the keys there"]
+    with pytest.raises(InvalidInput):
+        mc.apply(conf, ["m1"], {"master_alive_interval": 30})
+    assert os.listdir(tmp_path / "minion.d") == ["zz.conf"]
+
+
+def test_apply_write_failure(conf, monkeypatch):
+    def disk_full(path, data, mode):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mc.fsutil, "atomic_write", disk_full)
+    with pytest.raises(mc.WriteError, match="^cannot write .*: .*No space left on device"):
+        mc.apply(conf, ["m1"], {})
+
+
+def test_trusted_key_path():
+    opts = {"pki_dir": "/p"}
+    assert mc.trusted_key_path(opts) == "/p/minion_master.pub"
+    assert mc.trusted_key_path(opts, "signed") == "/p/master_sign.pub"
+    assert mc.trusted_key_path(opts, "signed", "/abs.pub") == "/abs.pub"
+    opts["master_sign_key_name"] = "sign"
+    assert mc.trusted_key_path(opts, "signed") == "/p/sign.pub"
+    assert mc.trusted_key_name("shared") == "minion_master.pub"
+    assert mc.trusted_key_name("signed") == "master_sign.pub"
+    assert mc.trusted_key_name("signed", "mysign") == "mysign.pub"
+
+
+def test_key_check_and_apply(tmp_path):
+    opts = {"pki_dir": str(tmp_path / "pki"), "cachedir": str(tmp_path / "cache")}
+    path = mc.trusted_key_path(opts)
+    good, stale = _pub(), _pub()
+    os.makedirs(opts["pki_dir"])
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(stale)
+    good_finger = finger_mod.master_finger(good)
+    check = mc.key_check(path, contents=good, master_finger=good_finger)
+    assert check == {"path": path, "errors": [], "match": False,
+                     "current_finger": finger_mod.master_finger(stale),
+                     "expected_finger": good_finger, "expected": good}
+    applied = mc.key_apply(opts, path, fetch=lambda src: good, source="salt://k.pub")
+    assert applied["written"] is True and open(path, encoding="utf-8").read() == good
+    assert applied["backup"].startswith(str(tmp_path / "cache" / "multimaster" / "backup"))
+    assert open(applied["backup"], encoding="utf-8").read() == stale
+    assert mc.key_apply(opts, path, contents=good)["written"] is False
+    # the fingerprint alone checks the key in either of Salt's forms
+    body_form = finger_mod.body_finger(good)
+    assert mc.key_check(path, master_finger=body_form)["match"] is True
+    with pytest.raises(mc.WriteError, match="no key content was given"):
+        mc.key_apply(opts, path, master_finger=finger_mod.body_finger(stale))
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"topology": "mesh"}, "topology 'mesh' is not one of shared, signed"),
+    ({"master_finger": "zz"}, "master_finger 'zz' is not a key fingerprint"),
+    ({"contents": "x"}, "the expected master key is not a PEM public key"),
+    ({"source": "salt://k", "fetch": lambda s: ""},
+     "cannot fetch salt://k: no such file on the master"),
+    ({"source": "salt://k", "fetch": lambda s: 1 / 0}, "cannot fetch salt://k: division by zero"),
+    ({}, "give the expected key (contents or source) or its master_finger"),
+])
+def test_key_check_errors(tmp_path, kwargs, error):
+    path = str(tmp_path / "k.pub")
+    assert mc.key_check(path, **kwargs)["errors"] == [error]
+    with pytest.raises(InvalidInput):
+        mc.key_apply({"cachedir": str(tmp_path)}, path, **kwargs)
+    assert not os.path.exists(path)
 
 
 def test_pem_helpers():
@@ -218,6 +251,3 @@ def test_pem_helpers():
     private = "RSA " + "PRIVATE KEY"  # a header only, spelled so no key scanner flags it
     assert not mc.looks_like_public_key(f"-----BEGIN {private}-----\nx\n-----END {private}-----")
     assert mc.normalize_pem("  " + pub.replace("\n", "\r\n") + "\n\n") == pub
-    assert mc.master_key_name("shared") == "minion_master.pub"
-    assert mc.master_key_name("signed") == "master_sign.pub"
-    assert mc.master_key_name("signed", "mysign") == "mysign.pub"

@@ -1,16 +1,22 @@
 """
-Restarts that cannot happen are failures (issue 15, item 5): the core
-(salt_multimaster.restart), the one restart helper
-(multimaster.restart_minion) and the states that schedule it.
+The one restart helper (salt_multimaster.restart): what it refuses, the
+background script it runs after the job, the pending marker and the exit
+status it leaves for the audit; and the states' answer when a restart cannot
+happen (mocked execution functions).  ``multimaster.restart_minion`` and the
+states over it run through Salt's loader in tests/functional.
 """
 
+import os
+import subprocess
 import time
 from unittest.mock import MagicMock, patch
 
 import pytest
+from salt.exceptions import CommandExecutionError
 
 from salt_multimaster import restart as core
-from tests.unit.test_states import minion, module, states  # noqa: F401  pylint: disable=unused-import
+from tests.support.cluster import wait_until
+from tests.unit.test_states import configure_loader_modules, states  # noqa: F401  pylint: disable=unused-import
 
 DEFAULT = "salt-call --local service.restart salt-minion"
 
@@ -51,119 +57,70 @@ def test_impossible_reasons():
     assert "cannot be parsed" in core.impossible("echo 'x", "salt-minion", which=which)
 
 
-def test_restart_minion_without_service_manager_schedules_nothing(minion):  # noqa: F811
-    with patch.dict(module.__salt__, {"service.available": MagicMock(return_value=False)}):
-        assert module.restart_minion(test=True) == {
-            "scheduled": False, "possible": False, "cmd": DEFAULT,
-            "reason": "no service manager on this host knows the salt-minion service, so "
-                      f"the default restart command {DEFAULT!r} cannot restart it"}
-        with pytest.raises(module._MMCommandExecutionError, match="no service manager"):
-            module.restart_minion()
-    minion["run_bg"].assert_not_called()
-    assert not (minion["tmp"] / "cache" / "multimaster" / "restart.pending").exists()
+def _run_bg(script):
+    return subprocess.Popen(script, shell=True).pid  # pylint: disable=consider-using-with
 
 
-def test_restart_minion_missing_program(minion):  # noqa: F811
-    with pytest.raises(module._MMCommandExecutionError,
-                       match="'no-such-restarter' not found"):
-        module.restart_minion(cmd="no-such-restarter salt-minion", delay=0)
-    minion["run_bg"].assert_not_called()
-    with pytest.raises(module._MMSaltInvocationError, match="salt-minion or salt-master"):
-        module.restart_minion(service="salt-api")
+@pytest.fixture
+def opts(tmp_path):
+    return {"cachedir": str(tmp_path / "cache"), "multiprocessing": True}
 
 
-def test_restart_minion_master_service(minion):  # noqa: F811
-    ret = module.restart_minion(cmd="true", delay=0, service="salt-master")
-    assert ret["scheduled"] is True and ret["cmd"] == "true"
-    # its own pending marker: a pending master restart does not hide a minion restart
-    assert (minion["tmp"] / "cache" / "multimaster" / "restart-salt-master.pending").exists()
-    assert not (minion["tmp"] / "cache" / "multimaster" / "restart.pending").exists()
+def test_paths(opts, tmp_path):
+    state = tmp_path / "cache" / "multimaster"
+    assert core.pending_path(opts) == str(state / "restart.pending")
+    assert core.pending_path(opts, "salt-master") == str(state / "restart-salt-master.pending")
+    assert core.status_path(opts) == str(state / "restart-salt-minion.status")
+    assert core.last_status(opts) is None and core.pending(opts) == 0
+    assert core.check_service("salt-master") == "salt-master"
+    with pytest.raises(ValueError, match="^service must be salt-minion or salt-master, not 'x'"):
+        core.check_service("x")
 
 
-NO_SM = ("no service manager on this host knows the salt-minion service, so the default "
-         f"restart command {DEFAULT!r} cannot restart it")
+def test_schedule_runs_after_the_job_once(opts, tmp_path):
+    """The background command waits for the job process (here: a child) to exit."""
+    marker = tmp_path / "marker"
+    job = subprocess.Popen(["sleep", "2"])  # pylint: disable=consider-using-with
+    first = core.schedule(opts, _run_bg, f"touch {marker}", 0, wait_pid=job.pid)
+    second = core.schedule(opts, _run_bg, f"touch {marker}", 0, wait_pid=job.pid)
+    assert first["scheduled"] is True and core.pending(opts) == first["pid"]
+    assert second == {"scheduled": False, "pid": first["pid"], "cmd": f"touch {marker}"}
+    time.sleep(0.5)
+    assert not marker.exists()  # the "job" still runs
+    job.wait()
+    assert wait_until(marker.exists, deadline=10, step=0.1)
 
 
-def test_minion_config_impossible_restart_fails(minion):  # noqa: F811
-    """Written, but the state fails and says to restart the minion by hand; test=True too."""
-    dropin = minion["conf_dir"] / "minion.d" / "multimaster.conf"
-    with patch.dict(module.__salt__, {"service.available": MagicMock(return_value=False)}):
-        with patch.dict(states.__opts__, {"test": True}):
-            predicted = states.minion_config("multimaster.conf", masters=["m1", "m2"],
-                                             master_alive_interval=30)
-        assert not dropin.exists()
-        with patch.dict(states.__opts__, {"test": False}):
-            ret = states.minion_config("multimaster.conf", masters=["m1", "m2"],
-                                       master_alive_interval=30)
-    tail = (f" The salt-minion was NOT restarted: {NO_SM}. Restart the salt-minion yourself "
-            "(the new configuration takes effect then), or set pillar "
-            "multimaster:minion_restart_cmd to a command that restarts it here.")
-    assert predicted["result"] is False
-    assert predicted["comment"] == (f"Multi-master minion config {dropin} would be updated."
-                                    + tail.replace("was NOT", "would NOT be"))
-    assert ret["result"] is False
-    assert ret["comment"] == f"Updated the multi-master minion config {dropin}." + tail
-    assert "restart" not in ret["changes"] and ret["changes"]["master"]["new"] == ["m1", "m2"]
-    assert dropin.exists()
-    minion["run_bg"].assert_not_called()
-
-
-def test_restart_scheduled_state(minion):  # noqa: F811
-    with patch.dict(states.__opts__, {"test": True}):
-        assert states.restart_scheduled("salt-master", cmd="true", delay=0) == {
-            "name": "salt-master", "result": None,
-            "changes": {"restart": "would be scheduled after this job returns (salt-master)"},
-            "comment": "The salt-master would restart in the background after this job returns."}
-        minion["run_bg"].assert_not_called()
-        bad = states.restart_scheduled("salt-master", cmd="no-such-ctl restart", delay=0)
-    reason = ("the restart command 'no-such-ctl restart' cannot run: 'no-such-ctl' not found "
-              "(PATH of the salt-minion)")
-    failed = {
-        "name": "salt-master", "result": False, "changes": {},
-        "comment": f" The salt-master was NOT restarted: {reason}. Restart the salt-master "
-                   "yourself (the new configuration takes effect then), or set pillar "
-                   "multimaster:master:restart_cmd to a command that restarts it here."}
-    assert bad == dict(failed, comment=failed["comment"].strip().replace(
-        "was NOT", "would NOT be"))
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.restart_scheduled("salt-master", cmd="no-such-ctl restart", delay=0)
-        assert ret["result"] is False and ret["changes"] == {}
-        assert ret["comment"] == "Restart of the salt-master requested." + failed["comment"]
-        minion["run_bg"].assert_not_called()
-        ret = states.restart_scheduled("salt-master", cmd="true", delay=0)
-    assert ret == {"name": "salt-master", "result": True,
-                   "changes": {"restart": "scheduled after this job returns: true"},
-                   "comment": "Restart of the salt-master requested. The master restarts in "
-                              "the background after this job returns."}
-
-
-def test_background_restart_records_its_exit_status(minion, tmp_path):  # noqa: F811
-    """The script leaves the command's exit status where the audit reads it."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-
-    def run_bg(cmd, **kwargs):
-        proc = subprocess.Popen(cmd, shell=True)  # pylint: disable=consider-using-with
-        return {"pid": proc.pid}
-
+def test_schedule_records_the_exit_status(opts, tmp_path):
     status = tmp_path / "cache" / "multimaster" / "restart-salt-minion.status"
-    with patch.dict(module.__salt__, {"cmd.run_bg": run_bg}), patch.object(
-        module._mm_os, "getpid", return_value=0
-    ):
-        module.restart_minion(cmd="sleep 0; exit 3", delay=0)
-        for _ in range(100):
-            if status.exists():
-                break
-            time.sleep(0.1)
-        assert module._mm_restart_status() == 3
-        # a new restart forgets the old outcome until its own command ran
-        (tmp_path / "cache" / "multimaster" / "restart.pending").unlink(missing_ok=True)
-        module.restart_minion(cmd="sleep 1", delay=0)
-        assert module._mm_restart_status() is None
-        for _ in range(100):
-            if status.exists():
-                break
-            time.sleep(0.1)
-        assert module._mm_restart_status() == 0
+    core.schedule(opts, _run_bg, "sleep 0; exit 3", 0, wait_pid=0)
+    assert wait_until(status.exists, deadline=10, step=0.1) and core.last_status(opts) == 3
+    # a new restart forgets the old outcome until its own command ran
+    core.schedule(opts, _run_bg, "sleep 1", 0, wait_pid=0)
+    assert core.last_status(opts) is None
+    assert wait_until(status.exists, deadline=10, step=0.1) and core.last_status(opts) == 0
+    assert wait_until(lambda: core.pending(opts) == 0, deadline=10, step=0.1)
+
+
+def test_salt_run_bg():
+    calls = []
+
+    def run_bg(script, **kwargs):
+        calls.append((script, kwargs))
+        return {"pid": 7}
+
+    assert core.salt_run_bg({"cmd.run_bg": run_bg})("sleep 1") == 7
+    assert calls == [("sleep 1", {"python_shell": True, "cwd": "/"})]
+
+
+def test_schedule_waits_for_this_process_in_a_job_process(opts):
+    scripts = []
+    core.schedule(opts, lambda script: scripts.append(script) or 0, "true", 2)
+    core.schedule(dict(opts, multiprocessing=False), lambda s: scripts.append(s) or 0, "true",
+                  2, service="salt-master")
+    assert scripts[0].startswith(f"p={os.getpid()}; ")
+    assert scripts[1].startswith("p=0; ") and "; sleep 2; rm -f " in scripts[1]
+    assert "; (true); echo $? > " in scripts[1]
 
 
 @pytest.mark.parametrize("test", [True, False])
@@ -175,7 +132,7 @@ def test_master_key_impossible_restart_fails(test):
     def restart_minion(test=False, **kwargs):
         if test:
             return {"scheduled": False, "possible": False, "reason": reason, "cmd": "x"}
-        raise module._MMCommandExecutionError(reason)
+        raise CommandExecutionError(reason)
 
     apply_ = MagicMock(return_value={"written": True, "backup": "/b"})
     with patch.dict(states.__opts__, {"test": test}), patch.dict(

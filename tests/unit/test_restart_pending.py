@@ -1,14 +1,12 @@
 """
 restart_pending: the running salt-minion's options against its config files
-(salt_multimaster.audit.check_restart_pending and multimaster.audit).
+(salt_multimaster.audit.check_restart_pending; multimaster.audit passes its
+own ``__opts__``, see tests/functional).
 """
-
-from unittest import mock
 
 import pytest
 
 import salt_multimaster.audit as audit
-from tests.unit.test_audit import minion_tree, mod, VERSION  # noqa: F401  pylint: disable=unused-import
 
 FILES = {"master": ["10.0.0.1", "10.0.0.2:4506"], "master_port": 4506,
          "master_alive_interval": 30, "master_type": "str", "retry_dns": 30,
@@ -79,36 +77,6 @@ def test_daemon_started_by_another_script_name():
     # __cli is the basename of argv[0]: salt-factories runs cli_salt_minion.py
     running = _running(master_alive_interval=0, __cli="cli_salt_minion.py")
     assert audit.check_restart_pending(running, FILES)[0]["check"] == "restart_pending"
-
-
-def _audit(mod, tree, running):  # noqa: F811
-    opts = {"id": "m1", "conf_file": tree["conf_file"], "pki_dir": tree["pki_dir"]}
-    opts.update(running)
-    with mock.patch.dict(mod.__opts__, opts, clear=True), \
-            mock.patch.dict(mod.__pillar__, {}, clear=True), \
-            mock.patch.dict(mod.__context__, {}, clear=True), \
-            mock.patch.object(audit, "tcp_connect", lambda h, p, t: None), \
-            mock.patch.object(audit, "list_processes", lambda: []):
-        ret = mod.audit(masters="10.0.0.1,10.0.0.2", master_finger=tree["finger"],
-                        master_version=VERSION)
-        return ret, dict(mod.__context__)
-
-
-def test_module_audit_restart_pending(mod, minion_tree):  # noqa: F811
-    # the files say master_alive_interval 30 (minion_tree); the daemon runs with 0
-    running = {"__cli": "salt-minion", "master": "10.0.0.1", "multimaster": True,
-               "master_alive_interval": 0}
-    ret, context = _audit(mod, minion_tree, running)
-    assert ret["result"] is False and context["retcode"] == 1
-    assert ret["findings"] == [{
-        "check": "restart_pending", "severity": "error",
-        "message": "The running salt-minion does not use its config files: it started before "
-                   "these options changed: master_alive_interval (running 0, files 30).",
-        "remedy": "Restart the salt-minion; the options in its config files take effect then.",
-    }]
-    running["master_alive_interval"] = 30
-    ret, context = _audit(mod, minion_tree, running)
-    assert ret["result"] is True and ret["findings"] == [], ret
 
 
 def test_failed_restart_command_named():

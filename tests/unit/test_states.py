@@ -1,24 +1,17 @@
 """
-The multimaster states in Salt's unit-test pattern: the state module's
-``__opts__``/``__salt__``/``__pillar__`` are patched, whole return dicts are
-compared.  The second half wires the states to the real execution-module
-helpers working on a temporary minion config and pki_dir.
+The multimaster states in Salt's unit-test pattern (configure_loader_modules):
+the execution functions they call are mocks, whole return dicts are
+compared.  The states over the real execution module, through Salt's loader,
+are in tests/functional.
 """
 
 import importlib.util
-import os
-import sys
-import time
 from unittest.mock import MagicMock, patch
 
 import pytest
-import salt.utils.crypt
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from salt.exceptions import CommandExecutionError
 
 from tests.conftest import REPO
-
-from salt_multimaster import finger as finger_mod  # noqa: E402
 
 
 def _load(kind, name):
@@ -27,20 +20,15 @@ def _load(kind, name):
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    for dunder in ("__opts__", "__salt__", "__pillar__", "__context__", "__grains__"):
-        setattr(mod, dunder, {})
     return mod
 
 
 states = _load("states", "multimaster")
-module = _load("modules", "multimaster")
 
 
-def _pub():
-    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-    return key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    ).decode()
+@pytest.fixture
+def configure_loader_modules():
+    return {states: {"__opts__": {"test": False}, "__salt__": {}, "__pillar__": {}}}
 
 
 def _check(**over):
@@ -67,7 +55,6 @@ CHANGES = {"master": {"old": ["m1", "m1", "m2"], "new": ["m1", "m2"]},
 # ---------------------------------------------------------------------------
 def test_virtual():
     assert states.__virtual__() == "multimaster"
-    assert module.__virtual__() == "multimaster"
 
 
 def test_minion_config_already_set():
@@ -182,8 +169,6 @@ def test_minion_config_invalid_writes_nothing():
 
 
 def test_minion_config_apply_failure():
-    from salt.exceptions import CommandExecutionError
-
     check = MagicMock(return_value=_check(changes=CHANGES, rewrite=True, restart_needed=True))
     apply_ = MagicMock(side_effect=CommandExecutionError("disk full"))
     restart = MagicMock()
@@ -295,205 +280,6 @@ def test_master_key_missing_pillar():
 
 
 # ---------------------------------------------------------------------------
-# States wired to the real execution-module helpers (temporary minion)
-# ---------------------------------------------------------------------------
-@pytest.fixture
-def minion(tmp_path, monkeypatch):
-    # the default restart command needs salt-call and a service manager that
-    # knows salt-minion (service.available below)
-    monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
-    conf_dir = tmp_path / "etc"
-    conf_dir.mkdir()
-    conf_file = conf_dir / "minion"
-    conf_file.write_text("master:\n- 127.0.0.2\n- 127.0.0.2:4506\n- 127.0.0.3\n")
-    pki = tmp_path / "pki"
-    pki.mkdir()
-    opts = {
-        "conf_file": str(conf_file),
-        "pki_dir": str(pki),
-        "cachedir": str(tmp_path / "cache"),
-        "master_port": 4506,
-        "hash_type": "sha256",
-        "multiprocessing": True,
-        "master_alive_interval": 0,
-    }
-    run_bg = MagicMock(return_value={"pid": 0})
-    funcs = {
-        name: getattr(module, name.split(".", 1)[1])
-        for name in (
-            "multimaster.minion_config_check",
-            "multimaster.minion_config_apply",
-            "multimaster.master_key_check",
-            "multimaster.master_key_apply",
-            "multimaster.restart_minion",
-        )
-    }
-    funcs["cmd.run_bg"] = run_bg
-    funcs["service.available"] = MagicMock(return_value=True)
-    funcs["cp.get_file_str"] = MagicMock(return_value=None)
-    with patch.dict(module.__opts__, opts), patch.dict(module.__salt__, funcs), patch.dict(
-        module.__pillar__, {}
-    ), patch.dict(states.__salt__, funcs):
-        yield {"conf_dir": conf_dir, "pki": pki, "run_bg": run_bg, "opts": opts,
-               "tmp": tmp_path}
-
-
-def test_minion_config_converges(minion):
-    dropin = minion["conf_dir"] / "minion.d" / "multimaster.conf"
-    masters = ["127.0.0.2", "127.0.0.2:4506", "127.0.0.3"]
-    with patch.dict(states.__opts__, {"test": True}):
-        ret = states.minion_config("multimaster.conf", masters=masters,
-                                   master_alive_interval=30)
-    assert ret["result"] is None
-    assert ret["changes"] == {
-        "master": {"old": None, "new": ["127.0.0.2", "127.0.0.3"]},
-        "master_alive_interval": {"old": None, "new": 30},
-    }
-    assert not dropin.exists()
-    minion["run_bg"].assert_not_called()
-
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("multimaster.conf", masters=masters,
-                                   master_alive_interval=30, restart_delay=0)
-    assert ret["result"] is True, ret
-    assert ret["changes"]["master"]["new"] == ["127.0.0.2", "127.0.0.3"]
-    assert "restart" in ret["changes"]
-    assert dropin.read_text().startswith("# Managed by Salt")
-    minion["run_bg"].assert_called_once()
-    script = minion["run_bg"].call_args.args[0]
-    assert f"p={os.getpid()};" in script
-    assert "; (salt-call --local service.restart salt-minion); echo $? > " in script
-
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("multimaster.conf", masters=masters,
-                                   master_alive_interval=30)
-    assert ret["result"] is True and ret["changes"] == {}, ret
-    assert "master_alive_interval=0" in ret["comment"]  # the running minion lags behind
-    assert minion["run_bg"].call_count == 1
-
-    # Salt reads the drop-in with the main file: effective config is deduplicated
-    import salt.config  # pylint: disable=import-outside-toplevel
-
-    opts = salt.config.minion_config(str(minion["conf_dir"] / "minion"), minion_id="x")
-    assert opts["master"] == ["127.0.0.2", "127.0.0.3"]
-    assert opts["master_alive_interval"] == 30
-
-
-def test_minion_config_invalid_and_overridden(minion):
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("multimaster.conf", masters=["a", "b"],
-                                   tcp_pub_port=[4510], master_alive_interval=-1)
-        assert ret["result"] is False
-        assert "master_alive_interval: -1" in ret["comment"]
-        assert "tcp_pub_port: 1 ports listed for 2 masters" in ret["comment"]
-        (minion["conf_dir"] / "minion.d").mkdir()
-        (minion["conf_dir"] / "minion.d" / "zz.conf").write_text("master: [x]\n")
-        ret = states.minion_config("multimaster.conf", masters=["a", "b"])
-        assert ret["result"] is False
-        assert "zz.conf" in ret["comment"]
-    assert not (minion["conf_dir"] / "minion.d" / "multimaster.conf").exists()
-
-
-def test_minion_config_pillar_masters_and_restart_cmd(minion, tmp_path):
-    marker = tmp_path / "restarted"
-    pillar = {"multimaster": {"masters": ["m1", "M1", "m2"],
-                              "minion_restart_cmd": f"touch {marker}"}}
-    with patch.dict(module.__pillar__, pillar), patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("/abs/ignored/../" + str(tmp_path / "mm.conf"))
-    assert ret["result"] is False  # not in the minion's includes: never read
-    with patch.dict(module.__pillar__, pillar), patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("multimaster.conf")
-    assert ret["result"] is True, ret
-    assert ret["changes"]["master"]["new"] == ["m1", "m2"]
-    assert f"; (touch {marker}); echo $? > " in minion["run_bg"].call_args.args[0]
-
-
-def test_restart_minion_really_runs_after_the_job(minion, tmp_path):
-    """The background command waits for the job process (here: a child) to exit."""
-    import subprocess  # pylint: disable=import-outside-toplevel
-
-    marker = tmp_path / "marker"
-    job = subprocess.Popen(["sleep", "2"])  # pylint: disable=consider-using-with
-
-    def run_bg(cmd, **kwargs):
-        proc = subprocess.Popen(cmd, shell=True)  # pylint: disable=consider-using-with
-        return {"pid": proc.pid}
-
-    with patch.dict(module.__salt__, {"cmd.run_bg": run_bg}), patch.object(
-        module._mm_os, "getpid", return_value=job.pid
-    ):
-        first = module.restart_minion(cmd=f"touch {marker}", delay=0)
-        second = module.restart_minion(cmd=f"touch {marker}", delay=0)
-    assert first["scheduled"] is True
-    assert second == {"scheduled": False, "pid": first["pid"], "cmd": f"touch {marker}"}
-    time.sleep(0.5)
-    assert not marker.exists()  # the "job" still runs
-    job.wait()
-    for _ in range(100):
-        if marker.exists():
-            break
-        time.sleep(0.1)
-    assert marker.exists()
-
-
-def test_master_key_replaces_stale_key(minion):
-    good, stale = _pub(), _pub()
-    cached = minion["pki"] / "minion_master.pub"
-    cached.write_text(stale)
-    (minion["tmp"] / "good.pub").write_text(good)
-    # the installed Salt's salt-key -F master form
-    finger = finger_mod.file_finger(str(minion["tmp"] / "good.pub"))
-    with patch.dict(states.__opts__, {"test": True}):
-        ret = states.master_key("minion_master.pub", contents=good, master_finger=finger)
-    assert ret["result"] is None
-    assert ret["changes"]["master_key"]["new"] == finger
-    assert cached.read_text() == stale
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.master_key("minion_master.pub", contents=good, master_finger=finger,
-                                restart=False)
-    assert ret["result"] is True, ret
-    assert cached.read_text() == good
-    backup = ret["changes"]["backup"]
-    assert backup.startswith(str(minion["tmp"] / "cache" / "multimaster" / "backup"))
-    assert open(backup, encoding="utf-8").read() == stale
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.master_key("minion_master.pub", contents=good, master_finger=finger)
-    assert ret["result"] is True and ret["changes"] == {}, ret
-    # the key content must match master_finger
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.master_key("minion_master.pub", contents=stale, master_finger=finger)
-    assert ret["result"] is False and "does not have fingerprint" in ret["comment"]
-    assert cached.read_text() == good
-
-
-def test_master_key_signed_topology_and_source(minion):
-    sign = _pub()
-    minion["run_bg"].return_value = {"pid": 0}
-    with patch.dict(module.__salt__, {"cp.get_file_str": MagicMock(return_value=sign)}), \
-            patch.dict(module.__pillar__, {"multimaster": {"topology": "signed"}}), \
-            patch.dict(states.__opts__, {"test": False}):
-        ret = states.master_key("master_sign.pub", source="salt://keys/master_sign.pub")
-    assert ret["result"] is True, ret
-    assert (minion["pki"] / "master_sign.pub").read_text() == sign
-    assert module.master_key_path(topology="signed") == str(minion["pki"] / "master_sign.pub")
-
-
-def test_master_key_finger_only(minion):
-    key = _pub()
-    (minion["pki"] / "minion_master.pub").write_text(key)
-    finger = salt.utils.crypt.pem_finger(str(minion["pki"] / "minion_master.pub"))
-    with patch.dict(states.__opts__, {"test": False}):
-        assert states.master_key("minion_master.pub", master_finger=finger)["result"] is True
-        # Salt 3008's salt-key -F master form names the same key
-        text_form = salt.utils.crypt.pem_finger(key=key.encode())
-        assert states.master_key("minion_master.pub", master_finger=text_form)["result"] is True
-        ret = states.master_key("minion_master.pub", master_finger="ab:" * 31 + "ab")
-        assert ret["result"] is False and "no key content" in ret["comment"]
-        ret = states.master_key("minion_master.pub")
-        assert ret["result"] is False and "give the expected key" in ret["comment"]
-
-
-# ---------------------------------------------------------------------------
 # every argument is checked before anything is written
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs,message", [
@@ -522,22 +308,6 @@ def test_invalid_restart_args_write_nothing(kwargs, message):
     called.assert_not_called()
 
 
-def test_invalid_restart_delay_leaves_files_alone(minion):
-    dropin = minion["conf_dir"] / "minion.d" / "multimaster.conf"
-    cached = minion["pki"] / "minion_master.pub"
-    stale, good = _pub(), _pub()
-    cached.write_text(stale)
-    with patch.dict(states.__opts__, {"test": False}):
-        ret = states.minion_config("multimaster.conf", masters=["127.0.0.2", "127.0.0.3"],
-                                   restart_delay="soon")
-        assert ret["result"] is False, ret
-        ret = states.master_key("minion_master.pub", contents=good, restart_delay=-5)
-        assert ret["result"] is False, ret
-    assert not dropin.exists()
-    assert cached.read_text() == stale
-    minion["run_bg"].assert_not_called()
-
-
 def test_invalid_pillar_restart_delay_writes_nothing():
     called = MagicMock()
     funcs = {name: called for name in (
@@ -551,12 +321,3 @@ def test_invalid_pillar_restart_delay_writes_nothing():
                               "multimaster:minion_restart_delay must be a number of seconds, "
                               "not 'later'"}
     called.assert_not_called()
-
-
-@pytest.mark.parametrize("delay", [-1, "soon", float("nan"), 10 ** 6])
-def test_restart_minion_refuses_bad_delay(minion, delay):
-    from salt.exceptions import SaltInvocationError  # pylint: disable=import-outside-toplevel
-
-    with pytest.raises(SaltInvocationError, match="^delay must be"):
-        module.restart_minion(cmd="true", delay=delay)
-    minion["run_bg"].assert_not_called()
