@@ -33,7 +33,7 @@ import socket
 
 import salt.utils.yaml
 
-from salt_multimaster import audit, daemon, fsutil, layout, manifest
+from salt_multimaster import daemon, fsutil, layout, manifest, masters
 
 DROPIN_NAME = "multimaster-peers.conf"
 DROPIN_MODE = 0o600
@@ -227,18 +227,17 @@ def master_entry(host, address=None):
     name = interface if interface not in ("", "0.0.0.0", "::") else host.get("fqdn") or ""
     if not name:
         raise MembershipError("cannot tell the peer's master address: pass address=<host>")
-    port = int(host.get("ret_port") or audit.DEFAULT_MASTER_PORT)
-    if port != audit.DEFAULT_MASTER_PORT:
+    port = int(host.get("ret_port") or masters.DEFAULT_MASTER_PORT)
+    if port != masters.DEFAULT_MASTER_PORT:
         name = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
     return name
 
 
 def lists(entries, entry, resolved=None):
     """Whether the master list ``entries`` names the master ``entry`` (any spelling)."""
-    want = audit.parse_master(entry)
-    return any(
-        audit._same_master(audit.parse_master(e), want, resolved or {})  # pylint: disable=protected-access
-        for e in audit.master_entries(entries))
+    want = masters.parse_lenient(entry)[0]
+    return any(masters.same(masters.parse_lenient(e)[0], want, resolved or {})
+               for e in masters.entries(entries))
 
 
 def minion_rows(entry, minions, current, pillars, adding):
@@ -263,10 +262,10 @@ def minion_rows(entry, minions, current, pillars, adding):
     (its config), ``pillar_lists`` (its pillar, the formula would put it
     back), ``no_answer``.
     """
-    hosts = [audit.parse_master(entry)[0]]
+    hosts = [masters.parse_lenient(entry)[0][0]]
     for value in list(current.values()) + list(pillars.values()):
-        hosts.extend(audit.parse_master(e)[0] for e in audit.master_entries(value))
-    resolved = audit.resolve_hosts(hosts)
+        hosts.extend(masters.parse_lenient(e)[0][0] for e in masters.entries(value))
+    resolved = masters.resolve_hosts(hosts)
     rows = {}
     for mid in sorted(minions):
         in_pillar = mid in pillars and lists(pillars[mid], entry, resolved)
@@ -296,7 +295,7 @@ def pillar_masters(pillars, minions):
         conf = pillar.get("multimaster") if isinstance(pillar, dict) else None
         value = conf.get("masters") if isinstance(conf, dict) else None
         if value is not None and mid in minions:
-            ret[mid] = audit.master_entries(value)
+            ret[mid] = masters.entries(value)
     return ret
 
 
