@@ -380,6 +380,13 @@ def check(conf_file, masters, settings, name=None, running=None):
             )
         )
         return ret
+    kept = {key: value for key, value in current.items() if key not in MANAGED_KEYS}
+    if kept:
+        # Options the operator put in this file (e.g. a peer host's
+        # multimaster.master_config) are never lost: they stay, after ours.
+        wanted = {**wanted, **kept}
+        ret["notes"].append(f"kept options this file holds but the state does not manage: "
+                            f"{', '.join(sorted(map(str, kept)))}")
     ret["desired"] = wanted
     ret["content"] = render(wanted)
     ret["changes"] = diff(current, wanted)

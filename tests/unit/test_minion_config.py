@@ -168,6 +168,30 @@ def test_check_and_apply(conf, tmp_path):
                               "loads the drop-in when it restarts"]
 
 
+def test_options_the_state_does_not_manage_are_kept(conf, tmp_path):
+    """
+    A peer host's ``multimaster.master_config`` (or any option the operator put
+    in the drop-in) survives the state's rewrite; a managed setting no longer
+    wanted is dropped.
+    """
+    dropin = tmp_path / "minion.d" / "multimaster.conf"
+    dropin.parent.mkdir()
+    dropin.write_text("master: [m1]\nmaster_alive_interval: 10\n"
+                      "multimaster.master_config: /etc/salt/master\nlog_level: info\n")
+    applied = mc.apply(conf, ["m1", "m2"], {"retry_dns": 0})
+    assert applied["written"] is True
+    assert mc.parse(dropin.read_text()) == {
+        "master": ["m1", "m2"], "retry_dns": 0,
+        "multimaster.master_config": "/etc/salt/master", "log_level": "info"}
+    assert applied["changes"] == {"master": {"old": ["m1"], "new": ["m1", "m2"]},
+                                  "retry_dns": {"old": None, "new": 0},
+                                  "master_alive_interval": {"old": 10, "new": None}}
+    assert applied["notes"] == ["kept options this file holds but the state does not manage: "
+                                "log_level, multimaster.master_config"]
+    again = mc.apply(conf, ["m1", "m2"], {"retry_dns": 0})
+    assert again["written"] is False and again["changes"] == {}
+
+
 def test_apply_refuses_and_writes_nothing(conf, tmp_path, monkeypatch):
     with pytest.raises(InvalidInput, match="master entry 'm2:0' has an invalid port 0"):
         mc.apply(conf, ["m1", "m2:0"], {})
