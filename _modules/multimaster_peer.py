@@ -209,7 +209,7 @@ def _restart_master():
 
 
 def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None,
-          backup_keep=10, keys_digest=None):
+          backup_keep=10, keys_digest=None, expect=None, config_keys=None):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -219,7 +219,9 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
     ``pull_token``, the operations and the bulk contents are pulled from the
     primary (``pull_chunks`` sealed replies) instead of riding in the
     publish.  ``keys_digest``: the primary's minion key digests, to record
-    which ids this peer holds from it.
+    which ids this peer holds from it.  ``expect``: apply only if this peer
+    holds what these digests say (a change sync in one round trip), else
+    answer with the inventory (``config_keys``: its replicated options).
 
     CLI Example:
 
@@ -229,12 +231,14 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
     """
     args = _request("apply", sealed, {"ops": ops, "topology": topology,
                                       "pull_token": pull_token, "pull_chunks": pull_chunks,
-                                      "backup_keep": backup_keep, "keys_digest": keys_digest})
+                                      "backup_keep": backup_keep, "keys_digest": keys_digest,
+                                      "expect": expect, "config_keys": config_keys})
     try:
         ret = peer.apply(_master_opts(), _state_dir(), args["ops"], args["topology"],
                          args["backup_keep"], _unseal, _fetch, _restart_master, pull=_pull,
                          pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
-                         keys_digest=args["keys_digest"])
+                         keys_digest=args["keys_digest"], expect=args["expect"],
+                         config_keys=args["config_keys"])
     except validate.InvalidInput as exc:
         return protocol.reply(_refused("multimaster_peer.apply", exc))
     except (peer.PeerError, protocol.ProtocolError) as exc:

@@ -292,6 +292,17 @@ def _inventory_request(conf, categories, digests, test):
         rescan=conf["rescan"] or None)
 
 
+def _read_primary(conf, categories, saved=None):
+    return sync_core.read_primary(__opts__, categories, conf["topology"],
+                                  conf["master_config_keys"], conf["rescan"], saved)
+
+
+def _ask(peers, conf, categories, digests, test):
+    """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
+    return _Job(peers, "multimaster_peer.inventory",
+                _inventory_request(conf, categories, digests, test), conf["timeout"]).replies()
+
+
 def _inventories(conf, categories, peers, test):
     """
     The primary's state and every peer's inventory ``{peer: (reply, error)}``.
@@ -299,36 +310,27 @@ def _inventories(conf, categories, peers, test):
     goes out first; the primary reads its state while the peers answer.  A
     peer in step answers with digests only; for a bucket the primary changed
     since, the peer's content is the primary's previous one
-    (:func:`salt_multimaster.sync_core.plan`).  A peer that cannot be planned so
+    (:func:`salt_multimaster.sync.plan`).  A peer that cannot be planned so
     (no previous state) is asked again with the current digests.
     """
     digests, saved = sync_core.saved_state(__opts__, categories)
-
-    def read():
-        return sync_core.read_primary(__opts__, categories, conf["topology"],
-                                 conf["master_config_keys"], conf["rescan"], saved)
-
     if set(digests) != set(categories) & set(sync_core.BUCKETED):
         # nothing saved yet (first sync): a peer in step would detail everything
-        primary = read()
-        request = _inventory_request(conf, categories,
-                                     sync_core.current_digests(primary, categories), test)
-        return primary, _Job(peers, "multimaster_peer.inventory", request,
-                             conf["timeout"]).replies()
+        primary = _read_primary(conf, categories, saved)
+        return primary, _ask(peers, conf, categories,
+                             sync_core.current_digests(primary, categories), test)
     job = _Job(peers, "multimaster_peer.inventory",
                _inventory_request(conf, categories, digests, test), conf["timeout"])
     try:
-        primary = read()
+        primary = _read_primary(conf, categories, saved)
     finally:
         invs = job.replies()
     again = [peer for peer in peers
              if sync_core.unplannable(categories, primary, invs[peer][0], digests)]
     if again:
         log.info("multimaster: asking %s again with the current digests", ", ".join(again))
-        request = _inventory_request(conf, categories,
-                                     sync_core.current_digests(primary, categories), test)
-        invs.update(_Job(again, "multimaster_peer.inventory", request,
-                         conf["timeout"]).replies())
+        invs.update(_ask(again, conf, categories,
+                         sync_core.current_digests(primary, categories), test))
     return primary, invs
 
 
@@ -337,11 +339,13 @@ def _jid_dir(jid):
                                   __opts__["hash_type"])
 
 
-def _apply(peer, conf, ops, primary, how, keys_digest=None):
+def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
     """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
     chunks = sync_core.attach_contents(__opts__, peer, ops, primary, how) if ops else None
     kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
-                             backup_keep=conf["backup_keep"], keys_digest=keys_digest)
+                             backup_keep=conf["backup_keep"], keys_digest=keys_digest,
+                             expect=expect,
+                             config_keys=conf["master_config_keys"] if expect else None)
     token = None
     if chunks is not None:
         # the operations travel with the first chunk, pulled point-to-point
@@ -357,13 +361,21 @@ def _apply(peer, conf, ops, primary, how, keys_digest=None):
             sync_core.revoke(__opts__, token, _jid_dir)
 
 
-def _sync_one(peer, conf, categories, primary, inv, test, force):
+def _sync_one(peer, conf, categories, primary, inv, test, force, expect=None):
+    """
+    Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
+    ``expect`` (``inv`` is then what the primary last confirmed it held),
+    the apply is conditional: ``None`` when there is nothing to apply, or
+    the peer's own inventory when it does not hold what was expected.
+    """
     ops, plan_report = sync_core.plan(conf["topology"], categories, primary, inv, force)
     ops = {c: o for c, o in ops.items() if o}
+    if expect is not None and not ops:
+        return None
     ret = {"result": True}
     ret.update(plan_report)
     how = sync_core.transport(__opts__, peer, ops, conf["inline_limit"],
-                         conf["pull_min_files"]) if ops else None
+                              conf["pull_min_files"]) if ops else None
     if how and how["error"]:
         ret["result"] = False
         ret["error"] = how["error"]
@@ -374,17 +386,50 @@ def _sync_one(peer, conf, categories, primary, inv, test, force):
     keys_digest = (primary["minion_keys"].get("digest")
                    if "minion_keys" in categories else None)
     if not test and (ops or (keys_digest and keys.get("history_recorded") is False)):
-        applied, error = _apply(peer, conf, ops, primary, how, keys_digest)
+        applied, error = _apply(peer, conf, ops, primary, how, keys_digest, expect)
         if error:
             ret["result"] = False
             ret["error"] = error
             sync_core.unconfirmed(ret, categories)
             return ret
+        if "inventory" in applied:
+            return applied["inventory"]
         sync_core.merge(plan_report, applied)
         for key in ("restart", "backup"):
             if applied.get(key):
                 ret[key] = applied[key]
+        if expect is not None:
+            # the peer's master as the peer found it before applying
+            inv = dict(inv, **{k: applied.get(k) for k in
+                               ("master_running", "master_address", "restart_pending")})
     return sync_core.finish(peer, ret, inv, categories)
+
+
+def _sync_remembered(peer, conf, categories, primary, held, force):
+    """
+    A change sync in one publish: plan ``peer`` as holding what it was last
+    confirmed to hold (``held``) and publish the apply conditional on it.  A
+    peer that holds something else answers with its inventory, and is
+    planned from it (the usual second round).  Returns ``(report, the
+    inventory planned from)``.
+    """
+    inv = sync_core.expected_inventory(held)
+    sent = protocol.expected_digests(protocol.expectation(held))
+    got = None
+    if not sync_core.unplannable(categories, primary, inv, sent):
+        got = _sync_one(peer, conf, categories, primary, inv, False, force,
+                        expect=protocol.expectation(held))
+        if got is not None and "master_id" not in got:
+            return got, inv
+    if got is not None:
+        log.info("multimaster: %s does not hold what it was last sent", peer)
+        inv = got
+    if got is None or sync_core.unplannable(categories, primary, got, sent):
+        inv, error = _ask([peer], conf, categories,
+                          sync_core.current_digests(primary, categories), False)[peer]
+        if error:
+            return {"result": False, "error": error}, {}
+    return _sync_one(peer, conf, categories, primary, inv, False, force), inv
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
@@ -417,6 +462,8 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
         _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
+        held = {} if test or conf["rescan"] or ids else {
+            peer: sync_core.remembered(__opts__, peer, categories) for peer in peers}
         if ids:
             # targeted: the peers' keys of these ids, planned here like a full sync
             primary = sync_core.read_primary_keys(__opts__, ids)
@@ -424,18 +471,34 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
                                        minion_ids=ids, test=test)
             invs = _Job(peers, "multimaster_peer.inventory", request,
                         conf["timeout"]).replies()
+        elif any(held.values()):
+            # what a peer holds is known: read here first, then one publish each
+            primary = _read_primary(conf, categories)
+            slow = [peer for peer in peers if not held[peer]]
+            invs = _ask(slow, conf, categories, sync_core.current_digests(primary, categories),
+                        test) if slow else {}
         else:
             primary, invs = _inventories(conf, categories, peers, test)
 
         def one(peer):
-            inv, error = invs[peer]
-            if error:
-                return {"result": False, "error": error}
+            inv = {}
             try:
-                return _sync_one(peer, conf, categories, primary, inv, test, force)
+                if held.get(peer):
+                    res, inv = _sync_remembered(peer, conf, categories, primary, held[peer],
+                                                force)
+                else:
+                    inv, error = invs[peer]
+                    res = ({"result": False, "error": error} if error else
+                           _sync_one(peer, conf, categories, primary, inv, test, force))
             except Exception as exc:  # pylint: disable=broad-except
                 log.exception("multimaster: sync of %s failed", peer)
-                return {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
+                res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
+            if not test and not ids:
+                sync_core.remember(__opts__, peer, categories, primary, inv or {}, res)
+            elif not test and any((res.get("minion_keys") or {}).get(kind)
+                                  for kind in ("added", "updated", "removed")):
+                sync_core.forget(__opts__, peer, ["minion_keys"])
+            return res
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
             for peer, res in zip(peers, pool.map(one, peers)):

@@ -492,8 +492,32 @@ class Puller:
         self.pool.shutdown(wait=True)
 
 
+def check_expected(mopts, state_dir, expect, topology, config_keys):
+    """
+    ``(held, inventory)``: whether this peer holds what the primary
+    expects (``expect``: :func:`protocol.expectation`), and its inventory
+    against those digests (what the primary plans from when it does not).
+    """
+    if not isinstance(expect, dict) or not expect:
+        raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
+                                    f"not {expect!r}")
+    validate.categories(list(expect), "expect")
+    if config_keys is not None:
+        validate.config_keys(config_keys)
+    try:
+        digests = protocol.expected_digests(expect)
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
+    inv = inventory(mopts, state_dir, list(expect), digests, topology, config_keys)
+    try:
+        return protocol.holds(expect, inv), inv
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
+
+
 def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
-          pull=None, pull_token=None, pull_chunks=0, keys_digest=None):
+          pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
+          config_keys=None):
     """
     Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
     chunk, through ``pull(request)``); return the reply without its
@@ -501,7 +525,19 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     :class:`validate.InvalidInput` for operations it refuses (nothing
     applied).  ``keys_digest``: the primary's minion key digests, for the
     history record (:func:`record_history`).
+
+    ``expect`` (a change sync in one round trip): apply only if this peer
+    holds what the primary expects (:func:`check_expected`); else apply
+    nothing and answer ``{"backup": None, "inventory": ...}``.  When it
+    does, the reply carries what the inventory says of the master
+    (``master_running``, ``master_address``, ``restart_pending``).
     """
+    status = {}
+    if expect is not None:
+        held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
+        if not held:
+            return {"backup": None, "inventory": inv}
+        status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")}
     app = Applier(mopts, state_dir, unseal)
     if pull_token:
         app.puller = Puller(app, pull_token, pull_chunks, pull)
@@ -534,6 +570,7 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
             log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned), backup_keep)
     except (backup.BackupError, OSError, TypeError, ValueError) as exc:
         log.warning("multimaster: old backups not pruned: %s", exc)
+    ret.update(status)
     return ret
 
 

@@ -16,6 +16,7 @@ named error, not a silent "did not return".
 """
 
 import base64
+import hashlib
 import json
 import os
 import re
@@ -89,7 +90,7 @@ REQUESTS = {
     "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "test",
                                    "rescan", "minion_ids"),
     "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
-                               "expect", "keys_digest", "inventory"),
+                               "expect", "config_keys", "keys_digest"),
     "multimaster_peer.restore": ("backup_name", "test"),
 }
 
@@ -175,6 +176,59 @@ def check_reply(peer, fun, ret):
     ret = dict(ret)
     ret.pop("protocol", None)
     return ret, None
+
+
+# ---------------------------------------------------------------------------
+# A conditional apply: what the primary expects the peer to hold
+# ---------------------------------------------------------------------------
+BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
+
+
+def config_digest(values):
+    """The digest of replicated master options (``{option: value}``)."""
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def expectation(held):
+    """
+    What an apply expects the peer to hold, from what the primary last
+    confirmed it held (``held``: ``{category: inventory entry}``):
+    digests only, nothing secret (the request is sealed all the same).
+    """
+    expect = {}
+    for cat, entry in held.items():
+        if cat in BUCKETED:
+            expect[cat] = {"digest": entry["digest"]}
+            if "envs" in entry:
+                expect[cat]["envs"] = entry["envs"]
+        elif cat == "master_keys":
+            expect[cat] = {"pem": entry.get("pem"), "pub": entry.get("pub")}
+        else:
+            expect[cat] = {"config": config_digest(entry)}
+    return expect
+
+
+def expected_digests(expect):
+    """The bucket digests an inventory checking ``expect`` compares with."""
+    return {cat: e["digest"] for cat, e in expect.items() if cat in BUCKETED}
+
+
+def holds(expect, inv):
+    """Whether the peer whose inventory is ``inv`` holds what ``expect`` says."""
+    for cat, want in expect.items():
+        have = inv.get(cat) or {}
+        if cat in BUCKETED:
+            if have.get("buckets") or have.get("digest") != want["digest"]:
+                return False
+            if "envs" in want and have.get("envs") != want["envs"]:
+                return False
+        elif cat == "master_keys":
+            if (have.get("pem"), have.get("pub")) != (want["pem"], want["pub"]):
+                return False
+        elif config_digest(have) != want["config"]:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------

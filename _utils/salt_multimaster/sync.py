@@ -534,3 +534,80 @@ def peer_errors(opts, peers):
                    f"then accept its key: salt-key -a {peer}")
             )
     return errors
+
+
+# ---------------------------------------------------------------------------
+# What each peer was last confirmed to hold: a change sync in one publish
+# ---------------------------------------------------------------------------
+def _memory_path(opts, peer):
+    return os.path.join(layout.state_dir(opts), "peers", f"{peer}.json")
+
+
+def remembered(opts, peer, categories):
+    """
+    ``{category: inventory entry}`` the peer was last confirmed to hold, for
+    every one of ``categories``; None when one is not known.
+    """
+    try:
+        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
+            held = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(held, dict) or not all(isinstance(held.get(c), dict) for c in categories):
+        return None
+    return {cat: held[cat] for cat in categories}
+
+
+def forget(opts, peer, categories):
+    """Forget what the peer holds of ``categories`` (changed by other means)."""
+    remember(opts, peer, categories, None, None, {})
+
+
+def remember(opts, peer, categories, primary, inv, ret):
+    """
+    After a sync of ``peer``: a category whose report is clean (nothing
+    failed, left in conflict or unconfirmed, nothing damaged on the primary)
+    is held by the peer as the primary holds it now; any other is forgotten.
+    """
+    try:
+        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
+            held = json.load(fh)
+        held = held if isinstance(held, dict) else {}
+    except (OSError, ValueError):
+        held = {}
+    for cat in categories:
+        rep = ret.get(cat)
+        entry = (primary or {}).get(cat) or {}
+        clean = (isinstance(rep, dict) and not rep.get("errors") and not rep.get("conflicts")
+                 and not rep.get("unconfirmed") and ("digest" in entry or "manifest" in entry)
+                 and not entry.get("damaged") and "ids" not in entry)
+        if not clean:
+            held.pop(cat, None)
+        elif cat in BUCKETED:
+            held[cat] = {"digest": entry["digest"]}
+            envs = (inv.get(cat) or {}).get("envs")
+            if envs is not None:
+                held[cat]["envs"] = envs
+        else:
+            held[cat] = dict(entry["manifest"])
+    fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
+    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600)
+
+
+def expected_inventory(held):
+    """
+    The inventory of a peer holding ``held`` (:func:`remembered`) as it
+    answers the digests of ``held``: digests only, nothing detailed.  Plan
+    with it (the buckets the primary changed since are taken from its
+    previous state, checked by :func:`unplannable`).
+    """
+    inv = {}
+    for cat, entry in held.items():
+        if cat in BUCKETED:
+            inv[cat] = {"digest": entry["digest"], "buckets": [], "manifest": {},
+                        "history": [], "errors": []}
+            if "envs" in entry:
+                inv[cat]["envs"] = entry["envs"]
+        else:
+            inv[cat] = dict(entry)
+    return inv

@@ -230,7 +230,9 @@ def _protocol_zero(ret):
 
 def test_a_peer_of_another_protocol_version_is_named(cluster):
     pm = cluster.peer_minions[0]
-    modules = pathlib.Path(pm.config["cachedir"]) / "extmods" / "modules"
+    ext = cluster.salt(cluster.primary, "config.get", "extension_modules", "--out=json",
+                       minion_tgt=pm.id).data
+    modules = pathlib.Path(ext) / "modules"
     modules.mkdir(parents=True, exist_ok=True)
     source = (REPO / "_modules" / "multimaster_peer.py").read_text()
     assert "return protocol.reply(" in source
@@ -245,7 +247,9 @@ def test_a_peer_of_another_protocol_version_is_named(cluster):
             and "protocol" not in ret.data
 
     try:
-        assert wait_until(answers_unversioned, deadline=60)
+        assert wait_until(answers_unversioned, deadline=60), cluster.salt(
+            cluster.primary, "multimaster_peer.inventory", "categories=[master_config]",
+            "--out=json", minion_tgt=pm.id)
         before = _snapshot(cluster.peers[0])
         ret = cluster.salt_run(cluster.primary, "multimaster.sync", "--out=json")
         assert ret.returncode != 0, ret

@@ -293,6 +293,57 @@ def test_noop_sync_changes_nothing(cluster):
     assert [_snapshot(p) for p in cluster.peers] == before
 
 
+def _counts(cluster):
+    return {fun: len(_published(cluster, cluster.primary, fun))
+            for fun in ("multimaster_peer.inventory", "multimaster_peer.apply")}
+
+
+def test_a_change_sync_is_one_publish_per_peer(cluster):
+    """
+    #17 item 7: the primary remembers what each peer was last confirmed to
+    hold, and publishes the apply with those digests; a peer changed behind
+    its back answers with its inventory and converges in a second round.
+    """
+    pki, root = cluster.pki_dir(cluster.primary), cluster.file_root(cluster.primary)
+    (pki / "minions" / "onepub").write_bytes(gen_keypair(1024)[1])
+    (root / "one.sls").write_text("one: 1\n")
+    before = _counts(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id]["minion_keys"]["added"] == ["minions/onepub"], ret.data
+        assert ret.data[pm.id]["file_roots"]["added"] == ["base:one.sls"], ret.data
+    after = _counts(cluster)
+    # one apply per peer, and no inventory at all
+    assert after == {"multimaster_peer.inventory": before["multimaster_peer.inventory"],
+                     "multimaster_peer.apply": before["multimaster_peer.apply"] + 2}, after
+    for peer in cluster.peers:
+        assert (cluster.pki_dir(peer) / "minions" / "onepub").exists()
+        assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 1\n"
+
+    # the first peer changed behind the primary's back: the fallback
+    peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
+    (cluster.file_root(peer0) / "local.sls").write_text("mine\n")
+    (root / "one.sls").write_text("one: 2\n")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    assert ret.data[pm0.id]["file_roots"]["removed"] == ["base:local.sls"], ret.data
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id]["file_roots"]["updated"] == ["base:one.sls"], ret.data
+    final = _counts(cluster)
+    # peer0: the conditional apply (refused), its inventory, the apply; peer1: one apply
+    assert final == {"multimaster_peer.inventory": after["multimaster_peer.inventory"] + 1,
+                     "multimaster_peer.apply": after["multimaster_peer.apply"] + 3}, final
+    for peer in cluster.peers:
+        assert not (cluster.file_root(peer) / "local.sls").exists()
+        assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 2\n"
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+    (pki / "minions" / "onepub").unlink()
+    (root / "one.sls").unlink()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+
+
 def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
     pki = cluster.pki_dir(cluster.primary)
     (pki / "minions_rejected" / "rej1").unlink()

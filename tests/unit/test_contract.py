@@ -12,7 +12,7 @@ import socket
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import manifest, peer, protocol, seal, sync
+from salt_multimaster import manifest, peer, protocol, seal, sync, validate
 from tests.support.cluster import gen_keypair
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
@@ -194,3 +194,59 @@ def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
     assert report["minion_keys"]["removed"] == ["minions/web1"]
     peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
     assert not (tmp_path / "m2" / "pki" / "minions" / "web1").exists()
+
+
+def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pair):
+    """#17 item 7: the apply goes out with the digests the peer should hold."""
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    pki, srv = tmp_path / "m1" / "pki", tmp_path / "m1" / "srv"
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    (srv / "a.sls").write_text("a: 1\n")
+    primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
+    inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
+    sync.remember(primary_opts, "m2", CATS, primary, inv, report)
+    held = sync.remembered(primary_opts, "m2", CATS)
+    assert sorted(held) == sorted(CATS)
+    assert "pem" in held["master_keys"] and held["master_config"]["nodegroups"] == {}
+
+    # one new key, one changed file
+    (pki / "minions" / "web2").write_bytes(gen_keypair(1024)[1])
+    (srv / "a.sls").write_text("a: 2\n")
+    primary = sync.read_primary(primary_opts, list(CATS), "shared", CONFIG_KEYS)
+    expected = sync.expected_inventory(held)
+    expect = protocol.expectation(held)
+    assert not sync.unplannable(CATS, primary, expected, protocol.expected_digests(expect))
+    ops, report = sync.plan("shared", CATS, primary, expected, False)
+    assert report["minion_keys"]["added"] == ["minions/web2"]
+    assert report["file_roots"]["updated"] == ["base:a.sls"]
+    ops = {c: o for c, o in ops.items() if o}
+    sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+    state = str(tmp_path / "m2-minion-state")
+
+    def unseal(blob, purpose):
+        return seal.unseal(minion_priv, blob, "m2", purpose)
+
+    def fetch(file_ops):
+        return {id(op): manifest.locate(primary_opts["file_roots"][op["env"]], op["rel"])
+                for op in file_ops}
+
+    # the peer changed behind the primary's back: nothing applied, its inventory instead
+    (tmp_path / "m2" / "srv" / "local.sls").write_text("mine\n")
+    _read_dropin(mopts)
+    got = peer.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
+                     expect=expect, config_keys=CONFIG_KEYS)
+    assert set(got) == {"backup", "inventory"} and got["backup"] is None
+    assert got["inventory"]["file_roots"]["buckets"]
+    assert not (tmp_path / "m2" / "pki" / "minions" / "web2").exists()
+    # the usual second round converges
+    plan_ops, report = sync.plan("shared", CATS, primary, got["inventory"], False)
+    assert report["file_roots"]["removed"] == ["base:local.sls"]
+    (tmp_path / "m2" / "srv" / "local.sls").unlink()
+    # as expected: applied in the one round trip, the master's state with it
+    got = peer.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
+                     expect=expect, config_keys=CONFIG_KEYS)
+    assert got["master_running"] is False and got["restart"] is None
+    assert got["minion_keys"] == {"errors": [], "failed": []}
+    _assert_replica(primary_opts, mopts)
+    with pytest.raises(validate.InvalidInput, match="expect must be a mapping"):
+        peer.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
