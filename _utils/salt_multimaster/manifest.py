@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 
@@ -337,8 +338,6 @@ def forget_fileserver_hashes(cachedir):
     each file again when next asked.  The tree is renamed away first, so a
     fileserver writing an entry meanwhile writes into the old tree.
     """
-    import shutil  # pylint: disable=import-outside-toplevel
-
     path = os.path.join(cachedir, "roots", "hash")
     if not os.path.isdir(path):
         return False
