@@ -51,6 +51,14 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+def sha256_or_none(path):
+    """The sha256 of the file at ``path``, None when it cannot be read."""
+    try:
+        return sha256_file(path)
+    except OSError:
+        return None
+
+
 def key_sha(data):
     """
     sha256 of a key with whitespace removed: Salt stores the same public key

@@ -121,7 +121,8 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
-            ret[cat] = {"pem": _sha_or_none(pem), "pub": _sha_or_none(pub),
+            ret[cat] = {"pem": manifest.sha256_or_none(pem),
+                        "pub": manifest.sha256_or_none(pub),
                         "fingerprint": finger.file_finger(
                             pub, mopts.get("hash_type", "sha256")) or None}
         elif cat == "master_config":
@@ -167,13 +168,6 @@ def targeted_inventory(mopts, state_dir, ids):
     return {"master_id": mopts["id"], "errors": [],
             "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
                             "history": sorted(history & set(ids))}}
-
-
-def _sha_or_none(path):
-    try:
-        return manifest.sha256_file(path)
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------

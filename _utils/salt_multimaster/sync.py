@@ -65,14 +65,6 @@ def saved_state(opts, categories):
     return digests, saved
 
 
-def sha_or_none(path):
-    """The sha256 of the file at ``path``, None when it cannot be read."""
-    try:
-        return manifest.sha256_file(path)
-    except OSError:
-        return None
-
-
 def read_primary(opts, categories, topology, config_keys, rescan=False, saved=None):
     """
     The primary's manifests, and the contents they describe, on demand.
@@ -110,7 +102,8 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
         elif cat == "master_keys":
             pem, pub = layout.master_key_files(opts, topology)
             state[cat] = {"files": {"pem": pem, "pub": pub},
-                          "manifest": {"pem": sha_or_none(pem), "pub": sha_or_none(pub)}}
+                          "manifest": {"pem": manifest.sha256_or_none(pem),
+                                       "pub": manifest.sha256_or_none(pub)}}
         elif cat == "master_config":
             state[cat] = {"manifest": {k: opts.get(k) for k in config_keys}}
     state["errors"] = [str(e) for e in errors]

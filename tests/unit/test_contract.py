@@ -31,7 +31,8 @@ def _master(root, name, port):
         (root / name / sub).mkdir(parents=True)
     (root / name / "etc" / "master").write_text("")
     return {"id": f"{name}_master", "pki_dir": str(root / name / "pki"),
-            "cachedir": str(root / name / "cache"), "conf_file": str(root / name / "etc" / "master"),
+            "cachedir": str(root / name / "cache"),
+            "conf_file": str(root / name / "etc" / "master"),
             "default_include": "master.d/*.conf", "interface": "127.0.0.1", "ret_port": port,
             "file_roots": {"base": [str(root / name / "srv")]},
             "pillar_roots": {"base": [str(root / name / "pillar")]},

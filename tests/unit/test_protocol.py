@@ -55,7 +55,7 @@ def test_every_reply_is_checked_for_its_version_and_kind():
     assert protocol.check_reply("m2", fun, None)[1].startswith(
         "m2's salt-minion did not answer the inventory")
     assert protocol.check_reply("m2", fun, "'multimaster_peer.inventory' is not available.")[
-        1].startswith("m2 gave no usable reply to the inventory: 'multimaster_peer.inventory' is not")
+        1].startswith("m2 gave no usable reply to the inventory: 'multimaster_peer.inventory'")
     refused = {"protocol": 1, "result": False, "error": "multimaster_peer.apply: bad ops"}
     assert protocol.check_reply("m2", "multimaster_peer.apply", refused) == (
         None, "multimaster_peer.apply: bad ops")
@@ -101,7 +101,8 @@ def test_pull_request_and_reply_roundtrip(keys):
     sealed = protocol.seal_pull_reply(pub, "m2", "abc123", {"minion_keys/minions/a": b"k"}, [],
                                       ops={"minion_keys": []})
     unseal = lambda blob, purpose: seal.unseal(priv, blob, "m2", purpose)  # noqa: E731
-    assert protocol.open_pull_reply(unseal, "abc123", {"outputter": "no_return", "data": sealed}) == {
+    served = {"outputter": "no_return", "data": sealed}
+    assert protocol.open_pull_reply(unseal, "abc123", served) == {
         "contents": {"minion_keys/minions/a": b"k"}, "missing": [], "ops": {"minion_keys": []}}
     with pytest.raises(protocol.ProtocolError, match="refused multimaster.pull .no pull grant"):
         protocol.open_pull_reply(unseal, "abc123", {"error": "no pull grant for m2"})
