@@ -133,6 +133,8 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
 
     _, ops, report, applied = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
     assert sorted(ops) == list(sorted(CATS))
+    # small enough: the files ride sealed in the request, no fetch
+    assert all("sealed" in op for op in ops["file_roots"]) and b"nginx" not in str(ops).encode()
     assert sorted(report["minion_keys"]["added"]) == [
         "minions/m2", "minions/web1", "minions/web2", "minions_pre/new1"]
     assert report["minion_keys"]["conflicts"] == [
