@@ -117,7 +117,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     a peer one key behind with one bucket.  Key dirs unchanged since the
     last inventory are not listed again, and files unchanged in size,
     inode and mtime are not read again, unless ``rescan``.  With
-    ``minion_ids``: the keys of these ids only (a targeted sync).
+    ``minion_ids``: the keys of these ids only (a targeted sync).  ``test``
+    is accepted for older primaries: an inventory never changes anything.
 
     CLI Example:
 
