@@ -13,22 +13,46 @@ ids).  Configuration lives in the primary's master config:
       replicate: [master_keys, minion_keys, file_roots, pillar_roots, master_config]
       master_config_keys: [nodegroups, external_auth, publisher_acl, peer, peer_run]
 
-Keyword arguments of each function override it.
+Keyword arguments of each function override it.  The logic lives in the
+``salt_multimaster`` package (:mod:`salt_multimaster.sync` plans and
+merges, :mod:`salt_multimaster.protocol` is the wire format); this module
+holds the Salt-facing parts: configuration, publishes, events, exit codes.
 """
 
+import concurrent.futures
 import contextlib
+import importlib
 import logging
+import math
 import os
+import sys
 import time
 
+import salt.client
+import salt.config
+import salt.utils.event
+import salt.utils.extmods
+import salt.utils.jid
+import salt.utils.master
+import salt.utils.minions
+import salt.version
 from salt.exceptions import SaltInvocationError
 
 log = logging.getLogger(__name__)
 
 __virtualname__ = "multimaster"
 
+# the core modules this runner uses, imported once the core is importable
+_CORE = {name: name for name in ("daemon", "finger", "fleet", "jobs", "layout", "lock", "manifest",
+                                  "membership", "protocol", "replicate", "report", "validate")}
+_CORE["sync_core"] = "sync"
+
 try:
     import salt_multimaster
+    from salt_multimaster import (daemon, finger, fleet, jobs, layout, lock, manifest, membership,
+                                  protocol, replicate, report, validate)
+    # the public function sync() takes the module's name
+    from salt_multimaster import sync as sync_core
 
     HAS_CORE = True
 except ImportError:
@@ -44,19 +68,15 @@ def _load_core():
     if HAS_CORE:
         return True
     try:
-        import salt.utils.extmods  # pylint: disable=import-outside-toplevel
-
         synced = salt.utils.extmods.sync(__opts__, "utils")
         log.info("multimaster: synced utils for the runner: %s", synced)
-        import importlib  # pylint: disable=import-outside-toplevel
-
         importlib.invalidate_caches()
         utils_dir = os.path.join(__opts__["extension_modules"], "utils")
-        import sys  # pylint: disable=import-outside-toplevel
-
         if utils_dir not in sys.path:
             sys.path.append(utils_dir)
-        importlib.import_module("salt_multimaster")
+        globals()["salt_multimaster"] = importlib.import_module("salt_multimaster")
+        for name, module in _CORE.items():
+            globals()[name] = importlib.import_module(f"salt_multimaster.{module}")
         HAS_CORE = True
     except Exception as exc:  # pylint: disable=broad-except
         log.debug("multimaster: core not importable: %s", exc)
@@ -84,38 +104,40 @@ def version():
 
         salt-run multimaster.version
     """
-    import salt_multimaster  # pylint: disable=import-outside-toplevel
-
     return {"version": salt_multimaster.__version__, "runner": __file__}
 
 
 # ---------------------------------------------------------------------------
-# Replication (salt-run multimaster.sync / multimaster.status)
+# Replication (salt-run multimaster.sync / status / restore / pull)
 # ---------------------------------------------------------------------------
 _DEFAULT_TIMEOUT = 120
-# Backups kept on each peer (the newest; each apply that replaced or removed
-# anything makes one).
-BACKUP_KEEP = 10
+# A sync waits this long for another sync of this primary to end, then gives up.
+LOCK_WAIT = 60
+# How a peer's job is tracked: after JOB_POLL seconds without a return, Salt's
+# find_job asks the peer every GATHER_TIMEOUT seconds whether it still runs it.
+JOB_POLL = 2
+GATHER_TIMEOUT = 3
+
+# Keyword arguments of sync and status besides their named parameters.
+_CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeout",
+                "inline_limit", "pull_min_files", "backup_keep")
 
 
 def _conf(kwargs):
     """The primary's ``multimaster`` config, overridden by runner kwargs."""
-    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
-
-    conf = _valid(_checked_conf)
+    conf = _valid(validate.conf_mapping, __opts__.get("multimaster"))
     configured = _as_list(conf.get("peers"))
-    for key in ("peers", "topology", "replicate", "master_config_keys", "timeout", "inline_limit",
-                "pull_min_files", "backup_keep"):
+    for key in ("peers",) + _CONF_KWARGS[1:]:
         if kwargs.get(key) is not None:
             conf[key] = kwargs[key]
     conf.setdefault("topology", "shared")
     conf.setdefault("replicate", list(replicate.CATEGORIES))
     conf.setdefault("master_config_keys", list(replicate.DEFAULT_CONFIG_KEYS))
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
-    conf.setdefault("inline_limit", INLINE_LIMIT)
-    conf.setdefault("pull_min_files", PULL_MIN_FILES)
-    conf.setdefault("backup_keep", BACKUP_KEEP)
-    conf["timeout"] = _valid(_checked_timeout, conf["timeout"])
+    conf.setdefault("inline_limit", sync_core.INLINE_LIMIT)
+    conf.setdefault("pull_min_files", sync_core.PULL_MIN_FILES)
+    conf.setdefault("backup_keep", sync_core.BACKUP_KEEP)
+    conf["timeout"] = _timeout(conf["timeout"])
     for key in ("inline_limit", "pull_min_files", "backup_keep"):
         try:
             conf[key] = int(conf[key])
@@ -123,47 +145,27 @@ def _conf(kwargs):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key))
-    _valid(_checked_targets, conf, configured)
-    conf["rescan"] = _valid(_checked_bool, "rescan", kwargs.get("rescan"))
+    # only configured peers receive secrets; only shared policy options travel
+    _valid(validate.peers, conf["peers"], configured)
+    _valid(validate.config_keys, conf["master_config_keys"])
+    conf["rescan"] = _valid(validate.boolean, "rescan", kwargs.get("rescan"))
     return conf
-
-
-# Keyword arguments of sync and status besides their named parameters.
-_CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeout",
-                "inline_limit", "pull_min_files", "backup_keep")
 
 
 def _valid(check, *args):
     """Run a ``salt_multimaster.validate`` check; bad input as SaltInvocationError."""
-    from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
-
     try:
-        return check(validate, *args)
+        return check(*args)
     except validate.InvalidInput as exc:
         raise SaltInvocationError(str(exc)) from None
 
 
-def _checked_conf(validate):
-    return validate.conf_mapping(__opts__.get("multimaster"))
+def _timeout(value):
+    """A timeout in whole seconds; bad input as SaltInvocationError."""
+    return int(math.ceil(_valid(validate.timeout, "timeout", value)))
 
 
-def _checked_timeout(validate, value):
-    import math  # pylint: disable=import-outside-toplevel
-
-    return int(math.ceil(validate.timeout("timeout", value)))
-
-
-def _checked_bool(validate, name, value):
-    return validate.boolean(name, value)
-
-
-def _checked_targets(validate, conf, configured):
-    """Only configured peers receive secrets; only shared policy options travel."""
-    validate.peers(conf["peers"], configured)
-    validate.config_keys(conf["master_config_keys"])
-
-
-def _checked_args(validate, fun, kwargs, minion_ids=None, only=None):
+def _checked_args(fun, kwargs, minion_ids=None, only=None):
     validate.known_kwargs(kwargs, _CONF_KWARGS, fun)
     if only is not None and not _as_list(only):
         raise validate.InvalidInput(
@@ -192,16 +194,12 @@ def _invalid(message):
 
 def _validate(conf, only):
     """Return an error message for bad input, or None."""
-    from salt_multimaster import layout, replicate  # pylint: disable=import-outside-toplevel
-
     if conf["topology"] not in layout.TOPOLOGIES:
         return f"unknown topology {conf['topology']!r} (known: {', '.join(layout.TOPOLOGIES)})"
     for cat in only + conf["replicate"]:
         if cat not in replicate.CATEGORIES:
             return f"unknown category {cat!r} (known: {', '.join(replicate.CATEGORIES)})"
     if not conf["peers"]:
-        from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
         dropin = protocol.dropin_path(__opts__) if __opts__.get("conf_file") else None
         if dropin and os.path.isfile(dropin):
             return (f"this master is a peer: it holds {dropin}, written by a primary's "
@@ -210,153 +208,11 @@ def _validate(conf, only):
     return None
 
 
-def _peer_errors(peers):
-    """Per-peer input errors: invalid id, or not an accepted minion of the primary."""
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    errors = {}
-    for peer in peers:
-        if not manifest.valid_minion_id(peer):
-            errors[peer] = f"invalid peer id {peer!r}"
-        elif not os.path.isfile(os.path.join(__opts__["pki_dir"], "minions", peer)):
-            pending = os.path.isfile(os.path.join(__opts__["pki_dir"], "minions_pre", peer))
-            errors[peer] = (
-                f"peer {peer!r} is not an accepted minion of this master: "
-                + (f"its key is pending, accept it: salt-key -a {peer}" if pending else
-                   "start the peer host's salt-minion with this master in its master list, "
-                   f"then accept its key: salt-key -a {peer}")
-            )
-    return errors
-
-
-def _state_dir():
-    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
-
-    return layout.state_dir(__opts__)
-
-
-def _saved_state(categories):
-    """
-    The keys snapshot's digests and the saved roots manifests, as the last
-    sync read them: ``({category: digests}, {category: SavedManifest})``.
-    No key or file is looked at.
-    """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    digests, saved = {}, {}
-    for cat in categories:
-        if cat == "minion_keys":
-            digest = manifest.KeysSnapshot.saved_digest(__opts__["pki_dir"], _state_dir())
-        elif cat in ("file_roots", "pillar_roots"):
-            saved[cat] = manifest.SavedManifest(_state_dir(), cat)
-            digest = saved[cat].digest
-        else:
-            continue
-        if digest is not None:
-            digests[cat] = digest
-    return digests, saved
-
-
-def _primary_state(conf, categories, saved=None):
-    """
-    The primary's manifests, and the contents they describe, on demand.
-    ``saved``: the roots manifests of the last read (:func:`_saved_state`),
-    kept as each category's ``previous`` and replaced by this read.
-    """
-    from salt_multimaster import manifest, replicate  # pylint: disable=import-outside-toplevel
-
-    cache_dir = _state_dir()
-    saved = saved or {}
-    errors, state = [], {}
-    started = time.monotonic()
-    roots, roots_errors = manifest.read_roots(__opts__, categories, cache_dir,
-                                              rescan=conf["rescan"])
-    if conf["rescan"] and "file_roots" in categories:
-        # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
-        # a file rewritten behind them is told the old hash and keeps its copy
-        manifest.forget_fileserver_hashes(__opts__["cachedir"])
-    log.debug("multimaster: roots read in %.3f s", time.monotonic() - started)
-    for cat in categories:
-        started = time.monotonic()
-        if cat == "minion_keys":
-            # no per-key work while no key dir changed
-            snap = manifest.KeysSnapshot(__opts__["pki_dir"], cache_dir, rescan=conf["rescan"])
-            errors.extend(snap.errors)
-            state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
-                          "previous": snap.previous_parts(), "damaged": snap.damaged}
-        elif cat in roots:
-            man = roots[cat]
-            errors.extend(roots_errors[cat])
-            parts = manifest.split(cat, man)
-            # digests and the saved manifest describe a peer in step: modes
-            # less the bits a sync never writes (the plan warns of those)
-            digest = manifest.bucket_digests(replicate.safe_parts(parts))
-            last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
-            state[cat] = {"manifest": man, "parts": parts, "digest": digest,
-                          "previous": (last.digest, last.parts) if last.digest else None,
-                          "damaged": manifest.damaged_sources(roots_errors[cat])}
-            last.save(replicate.safe_tree(man), digest)
-        elif cat == "master_keys":
-            pem, pub = _primary_master_key_files(conf["topology"])
-            state[cat] = {
-                "files": {"pem": pem, "pub": pub},
-                "manifest": {"pem": _sha(pem), "pub": _sha(pub)},
-            }
-        elif cat == "master_config":
-            state[cat] = {"manifest": {k: __opts__.get(k) for k in conf["master_config_keys"]}}
-        log.debug("multimaster: %s read in %.3f s", cat, time.monotonic() - started)
-    state["errors"] = [str(e) for e in errors]
-    state["damaged"] = _damaged_messages(state, categories)
-    return state
-
-
-def _damaged_messages(state, categories):
-    """
-    One line per key or roots file that exists on the primary but cannot be
-    read or used: the peer's copy is kept, and the sync fails for it.
-    """
-    lines = []
-    for cat in categories:
-        for where, names in sorted(((state.get(cat) or {}).get("damaged") or {}).items()):
-            for name in sorted(names):
-                sep = "/" if cat == "minion_keys" else ":"
-                lines.append(f"{cat} {where}{sep}{name}: damaged or unreadable on the primary")
-    return lines
-
-
-def _sha(path):
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    try:
-        return manifest.sha256_file(path)
-    except OSError:
-        return None
-
-
-def _primary_master_key_files(topology):
-    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
-
-    return layout.master_key_files(__opts__, topology)
-
-
-def _client():
-    import salt.client  # pylint: disable=import-outside-toplevel
-
-    return salt.client.LocalClient(mopts=__opts__)
-
-
-def _publish(peers, fun, kwarg, timeout):
-    """Call ``fun`` on the peers' minions; return ``{peer: ret}`` for those that returned."""
-    return _Job(peers, fun, kwarg, timeout).wait()
-
-
 def _progress(message, **data):
     """
     Fire ``salt/multimaster/sync/progress`` on the master event bus (not the
     runner's own tag, which ``salt-run`` would print into its output).
     """
-    import salt.utils.event  # pylint: disable=import-outside-toplevel
-
     data["message"] = message
     try:
         with salt.utils.event.get_master_event(
@@ -367,86 +223,9 @@ def _progress(message, **data):
         log.debug("multimaster: progress event not fired: %s", exc)
 
 
-def _inventories(conf, categories, peers, test):
-    """
-    The primary's state and every peer's inventory.  The inventory publish
-    carries the digests of the primary's last read and goes out first; the
-    primary reads its state while the peers answer.  A peer in step answers
-    with digests only; for a bucket the primary changed since, the peer's
-    content is the primary's previous one (:func:`_plan`).  A peer that
-    cannot be planned so (no previous state) is asked again with the current
-    digests.  Returns ``(primary, {peer: inventory return})``.
-    """
-    digests, saved = _saved_state(categories)
-    kwarg = {"categories": categories, "digests": digests, "topology": conf["topology"],
-             "config_keys": conf["master_config_keys"], "test": test}
-    if conf["rescan"]:
-        kwarg["rescan"] = True
-    if set(digests) != set(categories) & {"minion_keys", "file_roots", "pillar_roots"}:
-        # nothing saved yet (first sync): a peer in step would detail everything
-        primary = _primary_state(conf, categories, saved)
-        kwarg["digests"] = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
-        return primary, _publish(peers, "multimaster_peer.inventory", kwarg, conf["timeout"])
-    job = _Job(peers, "multimaster_peer.inventory", kwarg, conf["timeout"])
-    try:
-        primary = _primary_state(conf, categories, saved)
-    finally:
-        invs = job.wait()
-    current = {c: primary[c]["digest"] for c in categories if "digest" in primary[c]}
-    again = [peer for peer in peers
-             if _unplannable(categories, primary, (invs.get(peer) or {}).get("ret"), digests)]
-    if again:
-        log.info("multimaster: asking %s again with the current digests", ", ".join(again))
-        for peer in again:
-            invs.pop(peer, None)
-        invs.update(_Job(again, "multimaster_peer.inventory",
-                         dict(kwarg, digests=current), conf["timeout"]).wait())
-    return primary, invs
-
-
-def _stale(cat, primary, theirs):
-    """
-    The buckets where the peer differs from the primary now, and among them
-    those the peer did not detail: it holds them as the digests sent to it.
-    """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    need = manifest.differing(primary[cat]["digest"], theirs.get("digest") or {})
-    detailed = set(theirs.get("buckets") or [])
-    return need, [b for b in need if b not in detailed]
-
-
-def _unplannable(categories, primary, inv, sent):
-    """
-    Whether the peer holds, as ``sent``, buckets the primary changed since
-    and whose previous content it lost (or holds otherwise: each bucket is
-    checked against the digest sent).
-    """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    if not isinstance(inv, dict):
-        return False
-    for cat in categories:
-        theirs = inv.get(cat)
-        if cat not in ("minion_keys", "file_roots", "pillar_roots") or not isinstance(theirs, dict):
-            continue
-        _, stale = _stale(cat, primary, theirs)
-        if not stale:
-            continue
-        previous = primary[cat].get("previous")
-        if previous is None:
-            return True
-        parts = previous[1]()
-        held = manifest.bucket_digests({b: parts[b] for b in stale if b in parts})
-        if any(held.get(b) != (sent.get(cat) or {}).get(b) for b in stale):
-            return True
-    return False
-
-
-# How a peer's job is tracked: after JOB_POLL seconds without a return, Salt's
-# find_job asks the peer every GATHER_TIMEOUT seconds whether it still runs it.
-JOB_POLL = 2
-GATHER_TIMEOUT = 3
+def _client():
+    """A LocalClient of this master (the caller destroys it)."""
+    return salt.client.LocalClient(mopts=__opts__)
 
 
 class _Job:
@@ -457,11 +236,11 @@ class _Job:
     """
 
     def __init__(self, peers, fun, kwarg, timeout):
-        from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
         self.peers = list(peers)
+        self.fun = fun
         self.timeout = timeout
-        sealed = protocol.sealed_kwarg({peer: _peer_pub(peer) for peer in self.peers}, fun, kwarg)
+        sealed = protocol.sealed_kwarg(
+            {peer: sync_core.peer_pub(__opts__, peer) for peer in self.peers}, fun, kwarg)
         self.client = _client()
         self.was_listening = self.client.event.cpub
         try:
@@ -473,11 +252,12 @@ class _Job:
 
     def wait(self):
         """
-        ``{peer: full return}`` of the peers that returned.  The peers' job is
-        tracked with ``saltutil.find_job`` as Salt's own CLI does, every
-        :data:`GATHER_TIMEOUT` seconds: a peer that is not connected, or whose
-        minion dies while it works, is given up within seconds, whatever the
-        size of the sync; one still running is waited for up to the timeout.
+        ``{peer: return}`` of the peers that returned (``ret`` of Salt's
+        full return).  The peers' job is tracked with ``saltutil.find_job``
+        as Salt's own CLI does, every :data:`GATHER_TIMEOUT` seconds: a peer
+        that is not connected, or whose minion dies while it works, is given
+        up within seconds, whatever the size of the sync; one still running
+        is waited for up to the timeout.
         """
         try:
             ret = {}
@@ -492,7 +272,7 @@ class _Job:
                         gather_job_timeout=GATHER_TIMEOUT):
                     if fn_ret:
                         for mid, data in fn_ret.items():
-                            ret[mid] = data
+                            ret[mid] = data.get("ret") if isinstance(data, dict) else None
                     elif time.monotonic() > deadline:
                         break
                     else:
@@ -501,229 +281,240 @@ class _Job:
         finally:
             self.close()
 
+    def replies(self):
+        """``{peer: (reply, error)}`` (:func:`protocol.check_reply`) of every peer asked."""
+        rets = self.wait()
+        return {peer: protocol.check_reply(peer, self.fun, rets.get(peer)) for peer in self.peers}
+
     def close(self):
         if not self.was_listening:
             self.client.event.close_pub()
         self.client.destroy()
 
 
-def _parts(entry):
-    """The bucket parts of a category of :func:`_primary_state`."""
-    return entry["snapshot"].parts if "snapshot" in entry else entry["parts"]
+def _inventory_request(conf, categories, digests, test):
+    return protocol.request(
+        "multimaster_peer.inventory", categories=categories, digests=digests,
+        topology=conf["topology"], config_keys=conf["master_config_keys"], test=test,
+        rescan=conf["rescan"] or None)
 
 
-def _peer_buckets(cat, primary, theirs):
+def _read_primary(conf, categories, saved=None):
+    return sync_core.read_primary(__opts__, categories, conf["topology"],
+                                  conf["master_config_keys"], conf["rescan"], saved)
+
+
+def _ask(peers, conf, categories, digests, test):
+    """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
+    return _Job(peers, "multimaster_peer.inventory",
+                _inventory_request(conf, categories, digests, test), conf["timeout"]).replies()
+
+
+def _inventories(conf, categories, peers, test):
     """
-    The buckets where the peer differs from the primary now, with the peer's
-    manifest and key history there: as the peer detailed them where it
-    differs from the digests sent to it, else the primary's previous state
-    (which it holds: checked by :func:`_unplannable`).
+    The primary's state and every peer's inventory ``{peer: (reply, error)}``.
+    The inventory publish carries the digests of the primary's last read and
+    goes out first; the primary reads its state while the peers answer.  A
+    peer in step answers with digests only; for a bucket the primary changed
+    since, the peer's content is the primary's previous one
+    (:func:`salt_multimaster.sync.plan`).  A peer that cannot be planned so
+    (no previous state) is asked again with the current digests.
     """
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    need, stale = _stale(cat, primary, theirs)
-    peer_man = manifest.restrict(cat, theirs.get("manifest") or {}, need)
-    history = list(theirs.get("history") or [])
-    if stale:
-        old = manifest.merge(primary[cat]["previous"][1](), stale)
-        for outer, entries in old.items():
-            peer_man.setdefault(outer, {}).update(entries)
-        if cat == "minion_keys":
-            # a peer in step with the primary received every id it holds from it
-            history.extend(mid for entries in old.values() for mid in entries)
-    return need, peer_man, history
-
-
-def _plan(conf, categories, primary, inv, force):
-    """Operations and report for one peer from its inventory."""
-    from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
-
-    ops, report = {}, {}
-    for cat in categories:
-        theirs = inv.get(cat) or {}
-        if cat in ("minion_keys", "file_roots", "pillar_roots"):
-            # only the buckets where the peer differs are compared
-            from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-            need, peer_man, history = _peer_buckets(cat, primary, theirs)
-            mine = manifest.merge(_parts(primary[cat]), need) if need else {}
-            damaged = primary[cat].get("damaged")
-            if cat == "minion_keys":
-                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force, damaged=damaged)
-            else:
-                cat_ops, rep = replicate.plan_tree(
-                    mine, peer_man, theirs.get("envs"), primary_envs=primary[cat]["manifest"],
-                    damaged=damaged)
-        elif cat == "master_keys":
-            cat_ops, rep = replicate.plan_master_keys(
-                primary[cat]["manifest"], theirs, conf["topology"])
-        else:
-            cat_ops, rep = replicate.plan_master_config(primary[cat]["manifest"], theirs)
-        rep["errors"].extend(theirs.get("errors") or [])
-        ops[cat], report[cat] = cat_ops, rep
-    return ops, report
-
-
-# Contents up to this size ride in the apply publish (sealed where secret);
-# larger ones are pulled by the peer over the request channel (peer_run).
-INLINE_LIMIT = 64 * 1024
-# Past this many file_roots files (or bytes), the peer pulls them in bulk
-# instead of fetching each from the fileserver.
-PULL_MIN_FILES = 100
-PULL_MIN_BYTES = 4 * 1024 * 1024
-PULL_TTL = 600
-# A sealed master key pair in an apply request (a 4096-bit PEM, base64).
-MASTER_KEY_WEIGHT = 4096
-
-
-def _pull_allowed(peer):
-    """True when this master's peer_run lets ``peer`` call multimaster.pull."""
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
-    return protocol.pull_allowed(__opts__.get("peer_run"), peer)
-
-
-def _peer_pub(peer):
-    """The peer minion's public key, as accepted on this master."""
-    with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
-        return fh.read()
-
-
-def _content_path(cat, op):
-    from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
-
-    if cat == "minion_keys":
-        return os.path.join(__opts__["pki_dir"], op["state"], op["id"])
-    return manifest.locate(__opts__[cat][op["env"]], op["rel"])
-
-
-def _transport(peer, ops, inline_limit, pull_min_files=None):
-    """
-    How the apply of ``ops`` reaches ``peer``, decided the same way in test
-    mode: ``{"mode": "inline"|"pull"|None, "pull_files": bool, "size": bytes,
-    "error": message or None}``.
-
-    The operations and the contents of minion keys, pillar files and master
-    keys ride the apply publish, sealed to the peer, only up to
-    ``inline_limit`` bytes.  Past it, or past ``pull_min_files`` file_roots
-    files (or 4 MiB of them), the peer pulls them point-to-point through
-    ``peer_run`` (``multimaster.pull``).  A peer that may not pull is refused
-    (``error``, with the ``peer_run`` snippet to add): bulk never rides the
-    publish, which every minion receives.  Otherwise file_roots files come
-    from this master's fileserver, point-to-point too.
-    """
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
-    pullable = _pull_allowed(peer)
-    files = [op for op in ops.get("file_roots", []) if op["op"] == "write"]
-    pull_files = pullable and (
-        len(files) > (PULL_MIN_FILES if pull_min_files is None else pull_min_files)
-        or sum(op.get("size", 0) for op in files) > PULL_MIN_BYTES)
-    size = protocol.payload_size(ops)
-    for cat in ("master_keys", "minion_keys", "pillar_roots"):
-        for op in ops.get(cat, []):
-            if size > inline_limit and pullable:
-                break  # enough to decide (a stat per key of an initial sync: 0.16 s)
-            if op["op"] != "write":
-                continue
-            if cat == "master_keys":
-                size += MASTER_KEY_WEIGHT
-                continue
-            try:
-                # sealed contents travel base64-encoded
-                size += 4 * (op["size"] if "size" in op
-                             else os.path.getsize(_content_path(cat, op))) // 3
-            except (OSError, TypeError, KeyError):
-                pass
-    if size <= inline_limit and not pull_files:
-        return {"mode": "inline", "pull_files": False, "size": size, "error": None}
-    if pullable:
-        return {"mode": "pull", "pull_files": pull_files, "size": size, "error": None}
-    return {"mode": None, "pull_files": False, "size": size,
-            "error": protocol.refusal(peer, size, inline_limit)}
-
-
-def _attach_contents(peer, ops, primary, how):
-    """
-    Fill write operations with their contents, as :func:`_transport`
-    decided (``how``).  Private keys and pillar files are sealed to the
-    peer's minion key (inside the sealed request as well); pulled contents
-    are cut in chunks.  Return the chunks the peer pulls, or None.
-    """
-    from salt_multimaster import replicate, seal  # pylint: disable=import-outside-toplevel
-
-    peer_pub = _peer_pub(peer)
-    chunks = None
-    if how["mode"] == "pull":
-        bulk_cats = ("minion_keys", "pillar_roots") + (("file_roots",) if how["pull_files"] else ())
-        chunks = replicate.assign_chunks(
-            [(cat, op) for cat in bulk_cats for op in ops.get(cat, []) if op["op"] == "write"])
-    for cat, cat_ops in ops.items():
-        for op in cat_ops:
-            if op["op"] != "write" or "pull" in op or cat == "file_roots":
-                continue
-            if cat in ("minion_keys", "pillar_roots"):
-                with open(_content_path(cat, op), "rb") as fh:
-                    data = fh.read()
-                if cat == "minion_keys":
-                    op["data"] = data.decode()
-                else:
-                    op["sealed"] = seal.seal(peer_pub, data, peer, replicate.item_name(cat, op))
-            elif cat == "master_keys":
-                with open(primary[cat]["files"][op["kind"]], "rb") as fh:
-                    data = fh.read()
-                if op["kind"] == "pem":
-                    op["sealed"] = seal.seal(peer_pub, data, peer, f"master_keys/{op['name']}")
-                else:
-                    op["data"] = data.decode()
-    return chunks
-
-
-def _grant(peer, ops, chunks):
-    """
-    Let ``peer`` pull, for ten minutes, the operations of its sync and the
-    contents cut in ``chunks``; return the token naming the grant.
-    """
-    import json  # pylint: disable=import-outside-toplevel
-    import secrets  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
-
-    from salt_multimaster import fsutil  # pylint: disable=import-outside-toplevel
-
-    token = secrets.token_hex(16)
-    pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
-    fsutil.makedirs(pull_dir, mode=0o700)
-    grant = {"peer": peer, "expires": time.time() + PULL_TTL, "ops": ops, "chunks": chunks}
-    fsutil.atomic_write(os.path.join(pull_dir, token), json.dumps(grant), mode=0o600)
-    return token
-
-
-def _revoke(token):
-    """
-    End a pull grant, and drop from the job cache (local_cache) the sealed
-    chunks its pulls stored there: tens of MiB each, kept ``keep_jobs``
-    hours otherwise.
-    """
-    import shutil  # pylint: disable=import-outside-toplevel
-
-    import salt.utils.jid  # pylint: disable=import-outside-toplevel
-
-    base = os.path.join(__opts__["cachedir"], "multimaster", "pull", token)
+    digests, saved = sync_core.saved_state(__opts__, categories)
+    if set(digests) != set(categories) & set(sync_core.BUCKETED):
+        # nothing saved yet (first sync): a peer in step would detail everything
+        primary = _read_primary(conf, categories, saved)
+        return primary, _ask(peers, conf, categories,
+                             sync_core.current_digests(primary, categories), test)
+    job = _Job(peers, "multimaster_peer.inventory",
+               _inventory_request(conf, categories, digests, test), conf["timeout"])
     try:
-        with open(f"{base}.jids", encoding="utf-8") as fh:
-            jids = [line.strip() for line in fh if line.strip().isdigit()]
-    except OSError:
-        jids = []
-    if __opts__.get("master_job_cache", "local_cache") == "local_cache":
-        jobs = os.path.join(__opts__["cachedir"], "jobs")
-        for jid in jids:
-            shutil.rmtree(salt.utils.jid.jid_dir(jid, jobs, __opts__["hash_type"]),
-                          ignore_errors=True)
-    for path in (base, f"{base}.jids"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        primary = _read_primary(conf, categories, saved)
+    finally:
+        invs = job.replies()
+    again = [peer for peer in peers
+             if sync_core.unplannable(categories, primary, invs[peer][0], digests)]
+    if again:
+        log.info("multimaster: asking %s again with the current digests", ", ".join(again))
+        invs.update(_ask(again, conf, categories,
+                         sync_core.current_digests(primary, categories), test))
+    return primary, invs
+
+
+def _jid_dir(jid):
+    return salt.utils.jid.jid_dir(jid, os.path.join(__opts__["cachedir"], "jobs"),
+                                  __opts__["hash_type"])
+
+
+def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
+    """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
+    chunks = sync_core.attach_contents(__opts__, peer, ops, primary, how) if ops else None
+    kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
+                             backup_keep=conf["backup_keep"], keys_digest=keys_digest,
+                             expect=expect,
+                             config_keys=conf["master_config_keys"] if expect else None)
+    token = None
+    if chunks is not None:
+        # the operations travel with the first chunk, pulled point-to-point
+        token = sync_core.grant(__opts__, peer, ops, chunks)
+        kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
+    # a large apply (an initial sync) takes longer than an inventory:
+    # allow for 10 operations a second on top of the timeout
+    wait = conf["timeout"] + sum(len(o) for o in ops.values()) // 10
+    try:
+        return _Job([peer], "multimaster_peer.apply", kwarg, wait).replies()[peer]
+    finally:
+        if token:
+            sync_core.revoke(__opts__, token, _jid_dir)
+
+
+def _sync_one(peer, conf, categories, primary, inv, test, force, expect=None):
+    """
+    Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
+    ``expect`` (``inv`` is then what the primary last confirmed it held),
+    the apply is conditional: ``None`` when there is nothing to apply, or
+    the peer's own inventory when it does not hold what was expected.
+    """
+    ops, plan_report = sync_core.plan(conf["topology"], categories, primary, inv, force)
+    ops = {c: o for c, o in ops.items() if o}
+    if expect is not None and not ops:
+        return None
+    ret = {"result": True}
+    ret.update(plan_report)
+    how = sync_core.transport(__opts__, peer, ops, conf["inline_limit"],
+                              conf["pull_min_files"]) if ops else None
+    if how and how["error"]:
+        ret["result"] = False
+        ret["error"] = how["error"]
+        if not test:
+            sync_core.unconfirmed(ret, categories)
+        return ret
+    keys = inv.get("minion_keys") or {}
+    keys_digest = (primary["minion_keys"].get("digest")
+                   if "minion_keys" in categories else None)
+    if not test and (ops or (keys_digest and keys.get("history_recorded") is False)):
+        applied, error = _apply(peer, conf, ops, primary, how, keys_digest, expect)
+        if error:
+            ret["result"] = False
+            ret["error"] = error
+            sync_core.unconfirmed(ret, categories)
+            return ret
+        if "inventory" in applied:
+            return applied["inventory"]
+        sync_core.merge(plan_report, applied)
+        for key in ("restart", "backup"):
+            if applied.get(key):
+                ret[key] = applied[key]
+        if expect is not None:
+            # the peer's master as the peer found it before applying
+            inv = dict(inv, **{k: applied.get(k) for k in
+                               ("master_running", "master_address", "restart_pending")})
+    return sync_core.finish(peer, ret, inv, categories)
+
+
+def _sync_remembered(peer, conf, categories, primary, held, force):
+    """
+    A change sync in one publish: plan ``peer`` as holding what it was last
+    confirmed to hold (``held``) and publish the apply conditional on it.  A
+    peer that holds something else answers with its inventory, and is
+    planned from it (the usual second round).  Returns ``(report, the
+    inventory planned from)``.
+    """
+    inv = sync_core.expected_inventory(held)
+    sent = protocol.expected_digests(protocol.expectation(held))
+    got = None
+    if not sync_core.unplannable(categories, primary, inv, sent):
+        got = _sync_one(peer, conf, categories, primary, inv, False, force,
+                        expect=protocol.expectation(held))
+        if got is not None and "master_id" not in got:
+            return got, inv
+    if got is not None:
+        log.info("multimaster: %s does not hold what it was last sent", peer)
+        inv = got
+    if got is None or sync_core.unplannable(categories, primary, got, sent):
+        inv, error = _ask([peer], conf, categories,
+                          sync_core.current_digests(primary, categories), False)[peer]
+        if error:
+            return {"result": False, "error": error}, {}
+    return _sync_one(peer, conf, categories, primary, inv, False, force), inv
+
+
+def _sync(peers, only, test, force, minion_ids, **kwargs):
+    try:
+        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
+        test = _valid(validate.boolean, "test", test)
+        force = _valid(validate.boolean, "force", force)
+        conf = _conf(dict(kwargs, peers=peers))
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
+    only = _as_list(only)
+    ids = sorted(set(_as_list(minion_ids)))
+    error = _validate(conf, only)
+    if not error and ids:
+        other = [c for c in only if c != "minion_keys"]
+        bad_ids = [mid for mid in ids if not manifest.valid_minion_id(mid)]
+        if other:
+            error = f"minion_ids syncs minion_keys only, not {', '.join(other)}"
+        elif bad_ids:
+            error = f"invalid minion id(s) in minion_ids: {', '.join(map(repr, bad_ids))}"
+        only = ["minion_keys"]
+        if len(ids) > sync_core.MAX_TARGETED_IDS:
+            ids = []
+    if error:
+        return _invalid(error)
+    categories = only or conf["replicate"]
+
+    bad = sync_core.peer_errors(__opts__, conf["peers"])
+    ret = {peer: {"result": False, "error": message} for peer, message in bad.items()}
+    peers = [p for p in conf["peers"] if p not in bad]
+    if peers:
+        _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
+        held = {} if test or conf["rescan"] or ids else {
+            peer: sync_core.remembered(__opts__, peer, categories) for peer in peers}
+        if ids:
+            # targeted: the peers' keys of these ids, planned here like a full sync
+            primary = sync_core.read_primary_keys(__opts__, ids)
+            request = protocol.request("multimaster_peer.inventory", categories=categories,
+                                       minion_ids=ids, test=test)
+            invs = _Job(peers, "multimaster_peer.inventory", request,
+                        conf["timeout"]).replies()
+        elif any(held.values()):
+            # what a peer holds is known: read here first, then one publish each
+            primary = _read_primary(conf, categories)
+            slow = [peer for peer in peers if not held[peer]]
+            invs = _ask(slow, conf, categories, sync_core.current_digests(primary, categories),
+                        test) if slow else {}
+        else:
+            primary, invs = _inventories(conf, categories, peers, test)
+
+        def one(peer):
+            inv = {}
+            try:
+                if held.get(peer):
+                    res, inv = _sync_remembered(peer, conf, categories, primary, held[peer],
+                                                force)
+                else:
+                    inv, error = invs[peer]
+                    res = ({"result": False, "error": error} if error else
+                           _sync_one(peer, conf, categories, primary, inv, test, force))
+            except Exception as exc:  # pylint: disable=broad-except
+                log.exception("multimaster: sync of %s failed", peer)
+                res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
+            if not test and not ids:
+                sync_core.remember(__opts__, peer, categories, primary, inv or {}, res)
+            elif not test and any((res.get("minion_keys") or {}).get(kind)
+                                  for kind in ("added", "updated", "removed")):
+                sync_core.forget(__opts__, peer, ["minion_keys"])
+            return res
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
+            for peer, res in zip(peers, pool.map(one, peers)):
+                ret[peer] = sync_core.damaged_verdict(res, primary)
+                _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
+    if not all(r["result"] for r in ret.values()):
+        __context__["retcode"] = 1
+        ret["retcode"] = 1
+    return ret
 
 
 @contextlib.contextmanager
@@ -733,290 +524,11 @@ def _job_record(fun, tgt, arg):
     in a thread while the job runs; saved before the job returns, so before
     Salt stores the job.
     """
-    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
-
     thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), fun, tgt, arg)
     try:
         yield
     finally:
         thread.join()
-
-
-def pull(request):
-    """
-    Serve a peer what it pulls during a sync: the operations of its sync and
-    the contents of minion keys, pillar and file_roots files, in chunks.
-
-    Not for operators: a peer's minion calls it through ``peer_run`` while
-    ``multimaster.sync`` runs.  The request names a grant the sync created
-    for that peer only (a random token, valid ten minutes) and a chunk of
-    it; the reply is sealed to the calling peer's minion key, so job cache
-    and events hold ciphertext only.  Allow it on the primary with:
-
-    .. code-block:: yaml
-
-        peer_run:
-          master0[2-9]:
-            - multimaster.pull
-
-    CLI Example:
-
-    .. code-block:: bash
-
-        salt master02 publish.runner multimaster.pull
-    """
-    caller = __opts__.get("id")
-    with _job_record("multimaster.pull", caller, [f"request={request}"]):
-        return _pull(request, caller, globals().get("__jid__"))
-
-
-def _pull(request, caller, jid):
-    import base64  # pylint: disable=import-outside-toplevel
-    import json  # pylint: disable=import-outside-toplevel
-    import time  # pylint: disable=import-outside-toplevel
-
-    import msgpack  # pylint: disable=import-outside-toplevel
-
-    from salt_multimaster import seal  # pylint: disable=import-outside-toplevel
-
-    try:
-        req = json.loads(base64.urlsafe_b64decode(request + "=" * (-len(request) % 4)))
-        token, index = str(req["token"]), int(req["chunk"])
-        if not token.isalnum() or index < 0:
-            raise ValueError("bad token or chunk")
-        with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", token), encoding="utf-8") as fh:
-            grant = json.load(fh)
-        items = grant["chunks"][index]
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        return {"error": "unknown or malformed pull request"}
-    if grant["peer"] != caller or grant["expires"] < time.time():
-        log.warning("multimaster: pull refused for %s", caller)
-        return {"error": f"no pull grant for {caller}"}
-    contents, missing = {}, []
-    for item in items:
-        cat, rest = item.split("/", 1)
-        op = ({"state": rest.split("/", 1)[0], "id": rest.split("/", 1)[1]} if cat == "minion_keys"
-              else {"env": rest.split("/", 1)[0], "rel": rest.split("/", 1)[1]})
-        try:
-            with open(_content_path(cat, op), "rb") as fh:
-                contents[item] = fh.read()
-        except (OSError, TypeError, KeyError):
-            missing.append(item)
-    reply = {"contents": contents, "missing": missing}
-    if index == 0:
-        reply["ops"] = grant["ops"]
-    if jid:
-        # the sync drops this job's stored return (the sealed chunk) from the
-        # job cache once the peer has applied it
-        with open(os.path.join(__opts__["cachedir"], "multimaster", "pull", f"{token}.jids"),
-                  "a", encoding="utf-8") as fh:
-            fh.write(f"{jid}\n")
-    peer_pub = _peer_pub(caller)
-    # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
-    sealed = seal.seal(peer_pub, msgpack.packb(reply, use_bin_type=True), caller,
-                       f"pull/{token}", binary=True)
-    # the master prints each runner return it serves with the outputter the
-    # return names; no_return (built in, like nested) prints "sealed:" and
-    # skips the value, where nested would decode tens of MiB of ciphertext
-    return {"outputter": "no_return", "data": {"sealed": sealed}}
-
-
-def _merge(report, applied):
-    """Take out of the planned lists the items the peer reports as failed."""
-    for cat, rep in applied.items():
-        if cat not in report or not isinstance(rep, dict):
-            continue
-        errors, failed = rep.get("errors"), rep.get("failed")
-        if isinstance(errors, list):
-            report[cat]["errors"].extend(errors)
-        elif errors:
-            report[cat]["errors"].append(f"peer errors not readable: {str(errors)[:200]}")
-        if not isinstance(failed, list):
-            if failed:
-                report[cat]["errors"].append("the peer's list of failed items was trimmed")
-            continue
-        failed = set(failed)
-        for kind in ("added", "updated", "removed"):
-            report[cat][kind] = [
-                item for item in report[cat][kind] if _applied_name(cat, item) not in failed
-            ]
-
-
-def _applied_name(cat, item):
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
-    return item if cat != "master_config" else protocol.DROPIN_NAME
-
-
-def _no_reply(peer, what, got):
-    """Why ``peer`` gave no usable reply to ``what``, and what to do."""
-    if got is None:
-        return (f"{peer}'s salt-minion did not answer {what} (it is not connected to this "
-                f"master, or it stopped while working): start it, or check `salt-run "
-                f"manage.status`")
-    return (f"{peer} returned no {what}: {str(got)[:300]} (is salt-multimaster installed "
-            f"there, and multimaster.master_config set on its minion?)")
-
-
-def _unconfirmed(ret, categories):
-    """
-    A peer that did not apply: move what was planned out of the lists of
-    changes (which name only what the peer confirmed) into ``unconfirmed``.
-    """
-    for cat in categories:
-        rep = ret.get(cat)
-        if not isinstance(rep, dict):
-            continue
-        items = [item for kind in ("added", "updated", "removed") for item in rep[kind]]
-        for kind in ("added", "updated", "removed"):
-            rep[kind] = []
-        if items:
-            rep["unconfirmed"] = items
-
-
-def _sync_one(peer, conf, categories, primary, inv, test, force):
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
-    ops, report = _plan(conf, categories, primary, inv, force)
-    ops = {c: o for c, o in ops.items() if o}
-    ret = {"result": True}
-    ret.update(report)
-    how = _transport(peer, ops, conf["inline_limit"], conf["pull_min_files"]) if ops else None
-    if how and how["error"]:
-        ret["result"] = False
-        ret["error"] = how["error"]
-        if not test:
-            _unconfirmed(ret, categories)
-        return ret
-    if ops and not test:
-        chunks = _attach_contents(peer, ops, primary, how)
-        kwarg = {"ops": ops, "topology": conf["topology"], "backup_keep": conf["backup_keep"]}
-        token = None
-        if chunks is not None:
-            # the operations travel with the first chunk, pulled point-to-point
-            token = _grant(peer, ops, chunks)
-            kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
-        # a large apply (an initial sync) takes longer than an inventory:
-        # allow for 10 operations a second on top of the timeout
-        wait = conf["timeout"] + sum(len(o) for o in ops.values()) // 10
-        try:
-            rets = _publish([peer], "multimaster_peer.apply", kwarg, wait)
-        finally:
-            if token:
-                _revoke(token)
-        applied = rets.get(peer)
-        applied = applied.get("ret") if isinstance(applied, dict) else None
-        mismatch = protocol.reply_error(applied)
-        if mismatch or not isinstance(applied, dict) or "backup" not in applied:
-            ret["result"] = False
-            ret["error"] = mismatch or _no_reply(peer, "the apply", applied)
-            _unconfirmed(ret, categories)
-            return ret
-        _merge(report, applied)
-        for key in ("restart", "backup"):
-            if applied.get(key):
-                ret[key] = applied[key]
-    if inv.get("restart_pending") and not ret.get("restart"):
-        # keys or config written by an earlier sync, and the master not restarted since
-        ret["restart"] = "restart_required"
-    if inv.get("master_running") is False:
-        # synced, yet no replica in service: say so, and fail the run
-        from salt_multimaster import daemon  # pylint: disable=import-outside-toplevel
-
-        ret["error"] = daemon.not_running_error(peer, inv.get("master_address"))
-    return _verdict(peer, ret, categories)
-
-
-def _verdict(peer, ret, categories):
-    """
-    ``result`` False, and one ``error`` line saying why, whenever the peer is
-    not a replica in service after the run: errors, conflicts left, a
-    restart still required, its master down.
-    """
-    reasons = [ret["error"]] if ret.get("error") else []
-    errors = sum(len(ret[c]["errors"]) for c in categories if isinstance(ret.get(c), dict))
-    conflicts = sum(len(ret[c]["conflicts"]) for c in categories if isinstance(ret.get(c), dict))
-    if errors and not reasons:
-        reasons.append(f"{errors} item(s) failed (see errors)")
-    if conflicts:
-        reasons.append(f"{conflicts} conflict(s) left on {peer} (see conflicts; force=True "
-                       "replaces or removes them)")
-    if ret.get("restart") == "restart_required":
-        reasons.append(f"{peer}'s salt-master must restart to load the new master keys or "
-                       "config (no service manager restarted it): restart it")
-    if reasons:
-        ret["result"] = False
-        ret["error"] = "; ".join(reasons)
-    return ret
-
-
-# Past this many ids a targeted key sync is a full minion_keys sync.
-MAX_TARGETED_IDS = 200
-
-
-def _sync_ids(conf, peers, ids, test, force):
-    """
-    Mirror the keys of ``ids`` only: one publish to every peer carrying the
-    primary's keys of these ids; each peer plans and applies them itself.
-    """
-    from salt_multimaster import manifest, protocol  # pylint: disable=import-outside-toplevel
-
-    errors = []
-    state = manifest.keys_state(__opts__["pki_dir"], ids, errors=errors)
-    keys = {mid: {} for mid in ids}
-    for key_state, entries in state.items():
-        for mid in entries:
-            path = os.path.join(__opts__["pki_dir"], key_state, mid)
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    data = fh.read()
-            except (OSError, UnicodeDecodeError) as exc:
-                errors.append(manifest.Damaged(f"{key_state}/{mid}: unreadable: {exc}", mid,
-                                               key_state))
-                continue
-            keys[mid][key_state] = {"sha256": manifest.key_sha(data.encode()), "data": data}
-    # a key that exists here but cannot be read is not a deletion: its id is
-    # left out, and the peer keeps what it holds
-    damaged = sorted({mid for names in manifest.damaged_sources(errors).values() for mid in names})
-    for mid in damaged:
-        keys.pop(mid, None)
-    errors = [str(e) for e in errors]
-    if not keys:
-        # every id asked is damaged here: nothing to send, each peer keeps its copy
-        from salt_multimaster import replicate  # pylint: disable=import-outside-toplevel
-
-        return {peer: {"result": False, "minion_keys": replicate.empty_report(),
-                       "primary_errors": errors,
-                       "error": "damaged or unreadable on the primary, the peer's copy kept: "
-                                + ", ".join(damaged)}
-                for peer in peers}
-    if protocol.payload_size(keys) > conf["inline_limit"]:
-        return None  # too large to publish, even sealed: a full minion_keys sync
-    rets = _publish(peers, "multimaster_peer.mirror_keys",
-                    {"keys": keys, "force": force, "test": test}, conf["timeout"])
-    ret = {}
-    for peer in peers:
-        got = rets.get(peer)
-        rep = got.get("ret") if isinstance(got, dict) else None
-        mismatch = protocol.reply_error(rep)
-        if mismatch:
-            ret[peer] = {"result": False, "error": mismatch}
-            continue
-        if not isinstance(rep, dict) or "conflicts" not in rep:
-            ret[peer] = {"result": False, "error": _no_reply(peer, "the key sync", rep)}
-            continue
-        backup = rep.pop("backup", None)
-        rep.pop("protocol", None)
-        ret[peer] = {"result": True, "minion_keys": rep}
-        if backup:
-            ret[peer]["backup"] = backup
-        if errors:
-            ret[peer]["primary_errors"] = errors
-        if damaged:
-            ret[peer]["error"] = ("damaged or unreadable on the primary, the peer's copy kept: "
-                                  + ", ".join(damaged))
-        _verdict(peer, ret[peer], ["minion_keys"])
-    return ret
 
 
 def _compact(fun):
@@ -1095,15 +607,11 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         salt-run multimaster.sync rescan=True
         salt-run multimaster.sync --out=json
     """
-    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
-
     with _job_record("multimaster.sync", __opts__.get("id"),
                      jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                                minion_ids=minion_ids, **kwargs)):
         ret = _locked_sync(peers, only, test, force, minion_ids, **kwargs)
     if _compact("multimaster.sync"):
-        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
-
         return {"outputter": "txt",
                 "data": report.sync_rows(ret, _truthy(test), _truthy(verbose))}
     return ret
@@ -1122,12 +630,8 @@ def _locked_sync(peers, only, test, force, minion_ids, **kwargs):
                     conf.get("peers") if isinstance(conf, dict) else None):
                 busy.setdefault(peer, {"result": False, "error": busy["error"]})
             return busy
-        _sweep_grants()
+        sync_core.sweep_grants(__opts__, _jid_dir)
         return _sync(peers, only, test, force, minion_ids, **kwargs)
-
-
-# A sync waits this long for another sync of this primary to end, then gives up.
-LOCK_WAIT = 60
 
 
 @contextlib.contextmanager
@@ -1138,8 +642,6 @@ def _sync_lock(wait=None):
     did not end within ``wait`` seconds (``lock_wait=``, else
     ``multimaster:lock_wait``, default 60).
     """
-    from salt_multimaster import lock  # pylint: disable=import-outside-toplevel
-
     if wait is None:
         conf = __opts__.get("multimaster")
         wait = conf.get("lock_wait", LOCK_WAIT) if isinstance(conf, dict) else LOCK_WAIT
@@ -1150,7 +652,7 @@ def _sync_lock(wait=None):
     except (TypeError, ValueError):
         yield _invalid(f"lock_wait must be a number of seconds (0 to 86400), not {wait!r}")
         return
-    held = lock.SyncLock(os.path.join(_state_dir(), lock.LOCK_NAME),
+    held = lock.SyncLock(os.path.join(layout.state_dir(__opts__), lock.LOCK_NAME),
                          globals().get("__jid__"), wait=wait)
     try:
         held.acquire()
@@ -1163,90 +665,43 @@ def _sync_lock(wait=None):
         held.release()
 
 
-def _sweep_grants():
-    """Revoke the expired pull grants of syncs that never revoked them (killed)."""
-    from salt_multimaster import grants  # pylint: disable=import-outside-toplevel
+def pull(request):
+    """
+    Serve a peer what it pulls during a sync: the operations of its sync and
+    the contents of minion keys, pillar and file_roots files, in chunks.
 
-    pull_dir = os.path.join(__opts__["cachedir"], "multimaster", "pull")
-    for token in grants.expired(pull_dir, ttl=PULL_TTL):
-        log.info("multimaster: revoking the expired pull grant %s", token)
-        try:
-            _revoke(token)
-        except OSError as exc:
-            log.warning("multimaster: expired pull grant %s not revoked: %s", token, exc)
+    Not for operators: a peer's minion calls it through ``peer_run`` while
+    ``multimaster.sync`` runs.  The request names a grant the sync created
+    for that peer only (a random token, valid ten minutes) and a chunk of
+    it; the reply is sealed to the calling peer's minion key, so job cache
+    and events hold ciphertext only.  Allow it on the primary with:
+
+    .. code-block:: yaml
+
+        peer_run:
+          master0[2-9]:
+            - multimaster.pull
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master02 publish.runner multimaster.pull
+    """
+    caller = __opts__.get("id")
+    with _job_record("multimaster.pull", caller, [f"request={request}"]):
+        return _pull(request, caller, globals().get("__jid__"))
 
 
-def _sync(peers, only, test, force, minion_ids, **kwargs):
-    from salt_multimaster import manifest, protocol  # pylint: disable=import-outside-toplevel
+def _pull(request, caller, jid):
+    served = sync_core.serve_pull(__opts__, request, caller, jid)
+    if "error" in served:
+        return served
+    # the master prints each runner return it serves with the outputter the
+    # return names; no_return (built in, like nested) prints "sealed:" and
+    # skips the value, where nested would decode tens of MiB of ciphertext
+    return {"outputter": "no_return", "data": served}
 
-    try:
-        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
-        test = _valid(_checked_bool, "test", test)
-        force = _valid(_checked_bool, "force", force)
-        conf = _conf(dict(kwargs, peers=peers))
-    except SaltInvocationError as exc:
-        return _invalid(str(exc))
-    only = _as_list(only)
-    ids = sorted(set(_as_list(minion_ids)))
-    error = _validate(conf, only)
-    if not error and ids:
-        other = [c for c in only if c != "minion_keys"]
-        bad_ids = [mid for mid in ids if not manifest.valid_minion_id(mid)]
-        if other:
-            error = f"minion_ids syncs minion_keys only, not {', '.join(other)}"
-        elif bad_ids:
-            error = f"invalid minion id(s) in minion_ids: {', '.join(map(repr, bad_ids))}"
-        only = ["minion_keys"]
-        if len(ids) > MAX_TARGETED_IDS:
-            ids = []
-    if error:
-        return _invalid(error)
-    categories = only or conf["replicate"]
-
-    ret = {}
-    bad = _peer_errors(conf["peers"])
-    for peer, message in bad.items():
-        ret[peer] = {"result": False, "error": message}
-    peers = [p for p in conf["peers"] if p not in bad]
-    targeted = _sync_ids(conf, peers, ids, test, force) if peers and ids else None
-    if targeted is not None:
-        ret.update(targeted)
-    elif peers:
-        _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
-        primary, invs = _inventories(conf, categories, peers, test)
-        import concurrent.futures  # pylint: disable=import-outside-toplevel
-
-        def one(peer):
-            inv = invs.get(peer)
-            mismatch = protocol.reply_error(inv.get("ret") if isinstance(inv, dict) else None)
-            if mismatch:
-                return {"result": False, "error": mismatch}
-            if not inv or not isinstance(inv.get("ret"), dict) or "master_id" not in inv["ret"]:
-                return {"result": False, "error": _no_reply(
-                    peer, "the inventory", inv.get("ret") if isinstance(inv, dict) else None)}
-            try:
-                return _sync_one(peer, conf, categories, primary, inv["ret"], test, force)
-            except Exception as exc:  # pylint: disable=broad-except
-                log.exception("multimaster: sync of %s failed", peer)
-                return {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
-            for peer, res in zip(peers, pool.map(one, peers)):
-                ret[peer] = res
-                if primary["errors"]:
-                    res.setdefault("primary_errors", primary["errors"])
-                if primary.get("damaged"):
-                    # the peer is no replica of what cannot be read here
-                    res["result"] = False
-                    msg = (f"{len(primary['damaged'])} damaged or unreadable source(s) on the "
-                           "primary, their copies on the peer kept: "
-                           + "; ".join(primary["damaged"][:5]))
-                    res["error"] = f"{msg}; {res['error']}" if res.get("error") else msg
-                _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
-    if not all(r["result"] for r in ret.values()):
-        __context__["retcode"] = 1
-        ret["retcode"] = 1
-    return ret
 
 def restore(peer=None, backup=None, test=False, **kwargs):
     """
@@ -1273,36 +728,29 @@ def restore(peer=None, backup=None, test=False, **kwargs):
         salt-run multimaster.restore peer=master02 test=True
         salt-run multimaster.restore peer=master02 backup=20261123T221500.123456Z
     """
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
     try:
         _valid(_checked_args, "multimaster.restore", {k: v for k, v in kwargs.items()
                                                       if k != "timeout"})
-        test = _valid(_checked_bool, "test", test)
+        test = _valid(validate.boolean, "test", test)
         if len(_as_list(peer)) != 1:
             raise SaltInvocationError("restore takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(dict(kwargs, peers=peer))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
     peer = conf["peers"][0]
-    bad = _peer_errors([peer])
+    bad = sync_core.peer_errors(__opts__, [peer])
     if bad:
         return _invalid(bad[peer])
-    rets = _publish([peer], "multimaster_peer.restore",
-                    {"backup_name": backup, "test": test}, conf["timeout"])
-    got = rets.get(peer)
-    got = got.get("ret") if isinstance(got, dict) else None
-    mismatch = protocol.reply_error(got)
-    if mismatch or not isinstance(got, dict) or "restored" not in got:
-        return _invalid(mismatch or _no_reply(peer, "the restore", got))
-    got.pop("protocol", None)
+    request = protocol.request("multimaster_peer.restore", backup_name=backup, test=test)
+    got, error = _Job([peer], "multimaster_peer.restore", request,
+                      conf["timeout"]).replies()[peer]
+    if error:
+        return _invalid(error)
     ret = {peer: got}
     if not got.get("result"):
         __context__["retcode"] = 1
         ret["retcode"] = 1
     if _compact("multimaster.restore"):
-        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
-
         return {"outputter": "txt", "data": report.restore_rows(ret, test)}
     return ret
 
@@ -1327,22 +775,14 @@ def status(peers=None, verbose=False, **kwargs):
         salt-run multimaster.status
         salt-run multimaster.status peers=master02 --out=json
     """
-    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
-
     with _job_record("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs)):
         ret = _status(peers, **kwargs)
     if _compact("multimaster.status"):
-        from salt_multimaster import report  # pylint: disable=import-outside-toplevel
-
         return {"outputter": "txt", "data": report.status_rows(ret, _truthy(verbose))}
     return ret
 
 
 def _status(peers, **kwargs):
-    from salt_multimaster import finger as _finger  # pylint: disable=import-outside-toplevel
-
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
     try:
         _valid(_checked_args, "multimaster.status", kwargs)
         conf = _conf(dict(kwargs, peers=peers))
@@ -1352,10 +792,9 @@ def _status(peers, **kwargs):
     if error:
         return _invalid(error)
     categories = conf["replicate"]
-    ret = {}
-    bad = _peer_errors(conf["peers"])
-    for peer, message in bad.items():
-        ret[peer] = {"reachable": False, "in_sync": False, "error": message}
+    bad = sync_core.peer_errors(__opts__, conf["peers"])
+    ret = {peer: {"reachable": False, "in_sync": False, "error": message}
+           for peer, message in bad.items()}
     peers = [p for p in conf["peers"] if p not in bad]
     if not peers:
         ret["retcode"] = 1
@@ -1363,44 +802,37 @@ def _status(peers, **kwargs):
     all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
     primary, invs = _inventories(conf, all_cats, peers, test=True)
     pub = primary["master_keys"]["files"]["pub"]
-    primary_finger = _finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
-    primary_counts = primary["minion_keys"]["counts"]
+    primary_finger = finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
     for peer in peers:
-        inv = (invs.get(peer) or {}).get("ret")
-        mismatch = protocol.reply_error(inv)
-        if mismatch or not isinstance(inv, dict) or "master_id" not in inv:
-            ret[peer] = {"reachable": False, "in_sync": False,
-                         "pull_allowed": _pull_allowed(peer),
-                         "error": mismatch or _no_reply(peer, "the inventory", inv)}
+        inv, error = invs[peer]
+        pullable = protocol.pull_allowed(__opts__.get("peer_run"), peer)
+        if error:
+            ret[peer] = {"reachable": False, "in_sync": False, "pull_allowed": pullable,
+                         "error": error}
             continue
-        _, report = _plan(conf, all_cats, primary, inv, False)
-        drift = {
-            cat: {k: len(report[cat][k]) for k in ("added", "updated", "removed", "conflicts")}
-            for cat in categories
-        }
+        _, plan_report = sync_core.plan(conf["topology"], all_cats, primary, inv, False)
+        drift = sync_core.drift(plan_report, categories)
         ret[peer] = {
             "reachable": True,
             "master_finger": {"primary": primary_finger,
                               "peer": inv["master_keys"].get("fingerprint")},
-            "minion_keys": {"primary": primary_counts,
+            "minion_keys": {"primary": primary["minion_keys"]["counts"],
                             "peer": inv["minion_keys"].get("counts", {})},
             "drift": drift,
             "in_sync": not any(sum(d.values()) for d in drift.values()),
             # whether bulk (an initial sync) can reach this peer at all
-            "pull_allowed": _pull_allowed(peer),
+            "pull_allowed": pullable,
             "master_running": inv.get("master_running"),
             "restart_pending": inv.get("restart_pending"),
         }
         if inv.get("restart_pending"):
             ret[peer]["in_sync"] = False
         if inv.get("master_running") is False:
-            from salt_multimaster import daemon  # pylint: disable=import-outside-toplevel
-
             ret[peer]["in_sync"] = False
             ret[peer]["error"] = daemon.not_running_error(peer, inv.get("master_address"))
-        if not ret[peer]["pull_allowed"]:
+        if not pullable:
             ret[peer]["pull_config"] = protocol.peer_run_snippet([peer])
-        errors = [e for cat in categories for e in report[cat]["errors"]]
+        errors = [e for cat in categories for e in plan_report[cat]["errors"]]
         if errors:
             ret[peer]["errors"] = errors
     if not all(r.get("reachable") and r.get("master_running") is not False
@@ -1408,6 +840,7 @@ def _status(peers, **kwargs):
         __context__["retcode"] = 1
         ret["retcode"] = 1
     return ret
+
 
 # ---------------------------------------------------------------------------
 # Fleet audit (salt-run multimaster.audit).  Everything below this line
@@ -1468,8 +901,6 @@ def audit(
         salt-run multimaster.audit tgt='web*' --out=json
         salt-run multimaster.audit tgt=G@os:Debian tgt_type=compound
     """
-    from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
-
     with _job_record("multimaster.audit", __opts__.get("id"),
                      jobs.args(tgt=tgt, tgt_type=tgt_type, timeout=timeout, masters=masters,
                                master_finger=master_finger, topology=topology,
@@ -1478,19 +909,12 @@ def audit(
 
 
 def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version):
-    # pylint: disable=import-outside-toplevel
-    import salt.client
-    import salt.utils.minions
-    import salt.version
-    import salt_multimaster.fleet
-
     # bad input: a retcode in the return (a raised SaltInvocationError leaves
     # salt-run exiting 0 on 3008)
     if not tgt or not isinstance(tgt, (str, list)):
         return _invalid(f"multimaster.audit: invalid target {tgt!r}")
     try:
-        timeout = _valid(_checked_timeout, timeout if timeout is not None
-                         else __opts__.get("timeout", 5))
+        timeout = _timeout(timeout if timeout is not None else __opts__.get("timeout", 5))
     except SaltInvocationError as exc:
         return _invalid(f"multimaster.audit: {exc}")
     kwarg = {"master_version": master_version or {__opts__["id"]: salt.version.__version__}}
@@ -1502,7 +926,7 @@ def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_vers
     expected = expected.get("minions", []) if isinstance(expected, dict) else []
     returns = {}
     if expected:
-        client = salt.client.LocalClient(mopts=__opts__)
+        client = _client()
         try:
             returns = client.cmd(
                 tgt,
@@ -1514,11 +938,11 @@ def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_vers
             ) or {}
         finally:
             client.destroy()
-    report = salt_multimaster.fleet.build_report(
+    report = fleet.build_report(
         __opts__["id"], salt.version.__version__, tgt, tgt_type, expected, returns
     )
     if _audit_default_output():
-        return {"outputter": "txt", "data": salt_multimaster.fleet.render_rows(report)}
+        return {"outputter": "txt", "data": fleet.render_rows(report)}
     return report
 
 
@@ -1532,10 +956,8 @@ _MEMBERSHIP_KWARGS = ("timeout",)
 PEER_START_WAIT = 60
 
 
-def _mm_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
+def _member_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
     """``{minion id: return}`` of the minions that returned ``fun``."""
-    from salt_multimaster import fleet  # pylint: disable=import-outside-toplevel
-
     client = _client()
     try:
         rets = client.cmd(tgt, fun, arg=arg or [], kwarg=kwarg, tgt_type=tgt_type,
@@ -1546,14 +968,14 @@ def _mm_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
             for mid, ret in rets.items() if fleet.returned(ret)}
 
 
-def _mm_host(peer, topology, timeout):
+def _member_host(peer, topology, timeout):
     """The peer host's ``multimaster_peer.host_check`` return (None: no answer)."""
-    return _mm_client_cmd(peer, "multimaster_peer.host_check", kwarg={"topology": topology},
-                          timeout=timeout).get(peer)
+    return _member_client_cmd(peer, "multimaster_peer.host_check", kwarg={"topology": topology},
+                              timeout=timeout).get(peer)
 
 
 @contextlib.contextmanager
-def _mm_peers_in_opts(peers):
+def _member_peers_in_opts(peers):
     """This process's ``multimaster:peers`` set to ``peers`` for the block (test mode)."""
     saved = __opts__.get("multimaster")
     conf = dict(saved) if isinstance(saved, dict) else {}
@@ -1565,22 +987,18 @@ def _mm_peers_in_opts(peers):
         __opts__["multimaster"] = saved
 
 
-def _mm_reload_peers():
+def _member_reload_peers():
     """Read the master config again (the drop-in just written): the peers Salt now loads."""
-    import salt.config  # pylint: disable=import-outside-toplevel
 
-    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
 
     fresh = salt.config.master_config(__opts__["conf_file"])
     __opts__["multimaster"] = fresh.get("multimaster")
     return membership.effective_peers(fresh)
 
 
-def _mm_setup(fun, peer, kwargs):
+def _member_setup(fun, peer, kwargs):
     """Validated input of add_peer/remove_peer: ``(topology, dropin, dropin peers, peers)``."""
-    from salt_multimaster import layout, membership  # pylint: disable=import-outside-toplevel
-
-    _valid(lambda validate: validate.known_kwargs(kwargs, _MEMBERSHIP_KWARGS, fun))
+    _valid(validate.known_kwargs, kwargs, _MEMBERSHIP_KWARGS, fun)
     if not peer or not isinstance(peer, str):
         raise membership.MembershipError(f"{fun}: name the peer: salt-run {fun} <peer minion id>")
     conf = __opts__.get("multimaster") or {}
@@ -1595,19 +1013,14 @@ def _mm_setup(fun, peer, kwargs):
             membership.effective_peers(__opts__))
 
 
-def _mm_minions(entry, exclude, tgt, tgt_type, adding):
+def _member_minions(entry, exclude, tgt, tgt_type, adding):
     """Per-minion rows (membership.minion_rows): live audit plus cached pillar."""
-    import salt.utils.master  # pylint: disable=import-outside-toplevel
-    import salt.utils.minions  # pylint: disable=import-outside-toplevel
-
-    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
-
     found = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
     found = found.get("minions", []) if isinstance(found, dict) else []
     minions = sorted(set(found) - set(exclude))
     if not minions:
         return {}, []
-    rets = _mm_client_cmd(minions, "multimaster.audit", tgt_type="list",
+    rets = _member_client_cmd(minions, "multimaster.audit", tgt_type="list",
                           timeout=max(int(__opts__.get("timeout") or 5), 10))
     current = {mid: ret["masters"] for mid, ret in rets.items()
                if isinstance(ret, dict) and isinstance(ret.get("findings"), list)}
@@ -1619,7 +1032,7 @@ def _mm_minions(entry, exclude, tgt, tgt_type, adding):
     return rows, membership.next_steps(rows, entry, adding)
 
 
-def _mm_done(ret):
+def _member_done(ret):
     ret["result"] = all(step["result"] is not False for step in ret["steps"].values())
     if not ret["result"]:
         __context__["retcode"] = 1
@@ -1627,10 +1040,8 @@ def _mm_done(ret):
     return ret
 
 
-def _mm_output(fun, ret):
+def _member_output(fun, ret):
     """Without ``--out``, salt-run running ``fun`` prints the compact report."""
-    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
-
     if __opts__.get("output") or __opts__.get("fun") != fun:
         return ret
     return {"outputter": "txt", "data": membership.report_rows(ret)}
@@ -1685,17 +1096,16 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
         salt-run multimaster.add_peer master03
         salt-run multimaster.add_peer master03 address=master03.example.com
     """
-    return _mm_output("multimaster.add_peer",
-                      _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs))
+    return _member_output("multimaster.add_peer",
+                      _member_add_peer(peer, address, test, tgt, tgt_type, **kwargs))
 
 
-def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
-    from salt_multimaster import layout, manifest, membership  # pylint: disable=import-outside-toplevel
+def _member_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
 
     try:
-        test = _valid(_checked_bool, "test", test)
-        timeout = _valid(_checked_timeout, kwargs.get("timeout") or 30)
-        topology, dropin, dropin_peers, configured = _mm_setup("multimaster.add_peer", peer,
+        test = _valid(validate.boolean, "test", test)
+        timeout = _timeout(kwargs.get("timeout") or 30)
+        topology, dropin, dropin_peers, configured = _member_setup("multimaster.add_peer", peer,
                                                                kwargs)
         membership.check_new_peer(peer, __opts__, configured, dropin_peers)
     except (SaltInvocationError, membership.MembershipError) as exc:
@@ -1703,7 +1113,7 @@ def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
     steps = {}
     ret = {"peer": peer, "test": test, "steps": steps, "next_steps": []}
 
-    host = _mm_host(peer, topology, timeout)
+    host = _member_host(peer, topology, timeout)
     try:
         primary_pub = manifest.sha256_file(layout.master_key_files(__opts__, topology)[1])
     except OSError:
@@ -1711,38 +1121,38 @@ def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
     check = membership.check_host(peer, host, __opts__["id"], primary_pub)
     steps["check"] = {"result": check["result"], "comment": check["comment"]}
     if not check["result"]:
-        return _mm_done(ret)
+        return _member_done(ret)
     try:
         ret["master_entry"] = membership.master_entry(host, address)
     except membership.MembershipError as exc:
         steps["check"] = {"result": False, "comment": str(exc)}
-        return _mm_done(ret)
-    if not _pull_allowed(peer):
+        return _member_done(ret)
+    if not protocol.pull_allowed(__opts__.get("peer_run"), peer):
         ret["next_steps"].append(
             f"{peer} may not pull a sync's bulk: a first sync larger than inline_limit is "
             "refused; apply salt.multimaster.master on this primary (it grants every peer), "
-            "or add:\n" + _mm_pull_snippet(peer))
+            "or add:\n" + _member_pull_snippet(peer))
 
     peers = dropin_peers + [peer]
     if test:
         steps["config"] = {"result": None,
                            "comment": f"{dropin} would list {', '.join(peers)}"}
-        with _mm_peers_in_opts(configured + [peer]):
+        with _member_peers_in_opts(configured + [peer]):
             synced = sync(peers=peer, test=True)
     else:
         try:
             membership.write_dropin(dropin, peers)
-            loaded = _mm_reload_peers()
+            loaded = _member_reload_peers()
         except (OSError, membership.MembershipError) as exc:
             steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
-            return _mm_done(ret)
+            return _member_done(ret)
         if peer not in loaded:
             membership.write_dropin(dropin, dropin_peers)
-            _mm_reload_peers()
+            _member_reload_peers()
             steps["config"] = {"result": False, "comment": (
                 f"{dropin} written but Salt does not load {peer} from it (an include of your "
                 "config sets multimaster after master.d?): put back as it was")}
-            return _mm_done(ret)
+            return _member_done(ret)
         steps["config"] = {"result": True, "comment": f"{dropin} lists {', '.join(peers)}"}
         try:
             synced = sync(peers=peer)
@@ -1758,43 +1168,41 @@ def _mm_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
     if not kept:
         if not test:
             membership.write_dropin(dropin, dropin_peers)
-            _mm_reload_peers()
+            _member_reload_peers()
             steps["config"] = {"result": False, "comment": f"{dropin} put back as it was: "
                                                            "the sync failed"}
-        return _mm_done(ret)
+        return _member_done(ret)
 
     master = membership.master_step(check["master"], res, test)
     if master.pop("start"):
-        master.update(_mm_start_master(peer, timeout))
+        master.update(_member_start_master(peer, timeout))
     steps["start"] = master
-    rows, todo = _mm_minions(ret["master_entry"], configured + [peer], tgt, tgt_type, True)
+    rows, todo = _member_minions(ret["master_entry"], configured + [peer], tgt, tgt_type, True)
     will = rows.get("will_get", [])
     steps["minions"] = {"result": True, "minions": rows, "comment": (
         f"{len(will)} minion(s) will list {ret['master_entry']} after state.apply "
         f"salt.multimaster: {', '.join(will) or 'none'}")}
     ret["next_steps"].extend(todo)
-    return _mm_done(ret)
+    return _member_done(ret)
 
 
-def _mm_pull_snippet(peer):
+def _member_pull_snippet(peer):
     """The ``peer_run`` snippet granting ``peer`` the pull channel."""
-    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
-
     return protocol.peer_run_snippet([peer])
 
 
-def _mm_start_master(peer, timeout):
+def _member_start_master(peer, timeout):
     """Start the peer's salt-master through its minion's service manager, and wait for it."""
-    got = _mm_client_cmd(peer, "service.available", arg=["salt-master"], timeout=timeout)
+    got = _member_client_cmd(peer, "service.available", arg=["salt-master"], timeout=timeout)
     if got.get(peer) is not True:
         return {"result": False, "comment": (
             f"start salt-master on {peer} now (no service manager there knows salt-master): "
             "the primary's master keys are in place; then salt-run multimaster.status "
             f"peers={peer}")}
-    _mm_client_cmd(peer, "service.start", arg=["salt-master"], timeout=timeout)
+    _member_client_cmd(peer, "service.start", arg=["salt-master"], timeout=timeout)
     end = time.monotonic() + PEER_START_WAIT
     while time.monotonic() < end:
-        host = _mm_host(peer, "shared", timeout)
+        host = _member_host(peer, "shared", timeout)
         if isinstance(host, dict) and host.get("master_pid"):
             return {"result": True, "comment": f"salt-master started on {peer} (pid "
                                                f"{host['master_pid']}) with the primary's keys"}
@@ -1843,18 +1251,17 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
         salt-run multimaster.remove_peer master03 test=True
         salt-run multimaster.remove_peer master03
     """
-    return _mm_output("multimaster.remove_peer",
-                      _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs))
+    return _member_output("multimaster.remove_peer",
+                      _member_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs))
 
 
-def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
-    from salt_multimaster import membership  # pylint: disable=import-outside-toplevel
+def _member_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
 
     try:
-        test = _valid(_checked_bool, "test", test)
-        force = _valid(_checked_bool, "force", force)
-        timeout = _valid(_checked_timeout, kwargs.get("timeout") or 30)
-        topology, dropin, dropin_peers, configured = _mm_setup("multimaster.remove_peer", peer,
+        test = _valid(validate.boolean, "test", test)
+        force = _valid(validate.boolean, "force", force)
+        timeout = _timeout(kwargs.get("timeout") or 30)
+        topology, dropin, dropin_peers, configured = _member_setup("multimaster.remove_peer", peer,
                                                                kwargs)
         if peer not in configured:
             raise membership.MembershipError(
@@ -1865,7 +1272,7 @@ def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
                 "there (add_peer did not add it)")
         host = None
         if not address:
-            host = _mm_host(peer, topology, timeout)
+            host = _member_host(peer, topology, timeout)
             if not isinstance(host, dict) or "master_id" not in host:
                 raise membership.MembershipError(
                     f"{peer}'s minion did not say its master's address: pass address=<the "
@@ -1875,7 +1282,7 @@ def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
         return _invalid(str(exc))
     steps = {}
     ret = {"peer": peer, "test": test, "master_entry": entry, "steps": steps}
-    rows, todo = _mm_minions(entry, configured, tgt, tgt_type, False)
+    rows, todo = _member_minions(entry, configured, tgt, tgt_type, False)
     listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
     steps["minions"] = {"result": not listing, "minions": rows, "comment": (
         f"{len(listing)} minion(s) still list {entry}: {', '.join(listing)}" if listing
@@ -1890,10 +1297,10 @@ def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
     else:
         try:
             membership.write_dropin(dropin, peers)
-            loaded = _mm_reload_peers()
+            loaded = _member_reload_peers()
         except (OSError, membership.MembershipError) as exc:
             steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
-            return _mm_done(ret)
+            return _member_done(ret)
         steps["config"] = {"result": peer not in loaded, "comment": (
             f"{peer} removed from {dropin}" if peer not in loaded else
             f"{peer} removed from {dropin} but still in multimaster:peers of your config: "
@@ -1901,4 +1308,4 @@ def _mm_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
         if peer not in loaded:
             ret["next_steps"].append(f"stop salt-master on {peer}: no minion lists it and no "
                                      "sync reaches it any more")
-    return _mm_done(ret)
+    return _member_done(ret)

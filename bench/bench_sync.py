@@ -28,7 +28,9 @@ median of --repeat runs where the operation can be repeated):
 * Salt's floor: bare ``salt-run test.arg`` on the primary with the same keys;
 * ``salt-run multimaster.sync``: initial to one peer; no-op to one peer; no-op
   to all peers vs rsync to the same peers one after another; one new key + one
-  changed file vs rsync of the same change;
+  changed file vs rsync of the same change (one publish: the primary sends
+  the apply with the digests the peer was last confirmed to hold, issue 17
+  item 7; goal <= 0.5x of rsync, net of the floor);
 * where the time goes: ``salt <peer> test.ping`` and
   ``salt <peer> multimaster_peer.inventory`` (full manifests, then digests
   only), the manifests computed in-process, and cProfile of a no-op sync and
@@ -895,7 +897,8 @@ print(json.dumps(out))
                 if key not in seen:
                     seen.add(key)
                     incl[key] = incl.get(key, 0) + int(count)
-        wanted = ("multimaster.py:", "manifest.py:", "replicate.py:", "client/__init__.py",
+        wanted = ("multimaster.py:", "sync.py:", "manifest.py:", "replicate.py:",
+                  "client/__init__.py",
                   "__init__.py:LocalClient", "job.py:", "local_cache.py:", "minions.py:",
                   "key.py:", "localfs_key.py:", "mixins.py:", "runner.py:", "event.py:",
                   "_base.py:result", "thread.py:", "run.py:")
@@ -916,8 +919,8 @@ print(json.dumps(out))
     def profile_summary(stats):
         """Cumulative seconds of the functions that explain a salt-run."""
         wanted = {
-            ("multimaster.py", "sync"), ("multimaster.py", "_primary_state"),
-            ("multimaster.py", "_publish"), ("multimaster.py", "_peer_errors"),
+            ("multimaster.py", "sync"), ("sync.py", "read_primary"),
+            ("multimaster.py", "replies"), ("sync.py", "plan"), ("sync.py", "peer_errors"),
             ("manifest.py", "_scan"), ("manifest.py", "roots_manifest"),
             ("manifest.py", "save"), ("manifest.py", "__init__"),
             ("client/__init__.py", "cmd"), ("client/__init__.py", "pub"),

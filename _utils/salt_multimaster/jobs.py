@@ -15,6 +15,10 @@ import logging
 import os
 import threading
 
+import salt.loader
+import salt.payload
+import salt.utils.user
+
 from salt_multimaster import compat
 
 log = logging.getLogger(__name__)
@@ -37,10 +41,6 @@ def record(opts, jid, fun, tgt, arg, returners=None):
             or not opts.get("job_cache", True) or opts.get("ext_job_cache")
             or opts.get("master_job_cache", "local_cache") != "local_cache"):
         return False
-    # pylint: disable=import-outside-toplevel
-    import salt.payload
-    import salt.utils.user
-
     # A function called by another runner (the reactor's key_event calling
     # sync, an orchestration) runs under that runner's jid and leaves its
     # record alone.  Salt 3008 notes each running runner job, with its
@@ -63,8 +63,6 @@ def record(opts, jid, fun, tgt, arg, returners=None):
             "arg": list(arg), "user": running.get("user") or salt.utils.user.get_specific_user()}
     try:
         if returners is None:
-            import salt.loader  # pylint: disable=import-outside-toplevel
-
             returners = salt.loader.returners(opts, {})
         returners["local_cache.save_load"](jid, load, minions=[tgt] if accepted else [])
     except Exception as exc:  # pylint: disable=broad-except

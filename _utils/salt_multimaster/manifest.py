@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import stat
 import time
 
@@ -22,7 +23,6 @@ KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "m
 # Hash caches and the key snapshot, in the state directory (cachedir/multimaster)
 KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
-LEGACY_HASHCACHE = "hashcache.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
@@ -51,6 +51,14 @@ def sha256_file(path):
     return h.hexdigest()
 
 
+def sha256_or_none(path):
+    """The sha256 of the file at ``path``, None when it cannot be read."""
+    try:
+        return sha256_file(path)
+    except OSError:
+        return None
+
+
 def key_sha(data):
     """
     sha256 of a key with whitespace removed: Salt stores the same public key
@@ -67,7 +75,8 @@ def key_sha_file(path):
 BUCKETS = 64
 
 
-def _bucket(name):
+def bucket_of(name):
+    """The bucket (a string) a key id or a roots path falls in."""
     return str(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0] % BUCKETS)
 
 
@@ -81,7 +90,7 @@ def split(cat, man):
     for outer, entries in man.items():
         for name, value in entries.items():
             key = name if cat == "minion_keys" else f"{outer}/{name}"
-            ret.setdefault(_bucket(key), {}).setdefault(outer, {})[name] = value
+            ret.setdefault(bucket_of(key), {}).setdefault(outer, {})[name] = value
     return ret
 
 
@@ -112,7 +121,7 @@ def restrict(cat, man, buckets):
     ret = {}
     for outer, entries in man.items():
         for name, value in entries.items():
-            if _bucket(name if cat == "minion_keys" else f"{outer}/{name}") in wanted:
+            if bucket_of(name if cat == "minion_keys" else f"{outer}/{name}") in wanted:
                 ret.setdefault(outer, {})[name] = value
     return ret
 
@@ -337,8 +346,6 @@ def forget_fileserver_hashes(cachedir):
     each file again when next asked.  The tree is renamed away first, so a
     fileserver writing an entry meanwhile writes into the old tree.
     """
-    import shutil  # pylint: disable=import-outside-toplevel
-
     path = os.path.join(cachedir, "roots", "hash")
     if not os.path.isdir(path):
         return False
@@ -441,22 +448,6 @@ def _key_entry(state, name, full, cache, errors, entry=None):
     return sha
 
 
-def keys_manifest(pki_dir, cache, errors=None):
-    """
-    ``{state_dir: {minion_id: sha256}}`` for a master's minion key dirs.
-
-    Invalid ids and non-PEM files are reported in ``errors`` and left out.
-    ``minions_autosign`` holds autosign grain files, not keys, and is copied
-    as it is.  (A sync lists keys through :class:`KeysSnapshot`.)
-    """
-    errors = errors if errors is not None else []
-    return {
-        state: {mid: entry[3] for mid, entry in _list_key_dir(pki_dir, state, {}, lambda: cache,
-                                                                errors).items()}
-        for state in KEY_STATES
-    }
-
-
 def _list_key_dir(pki_dir, state, known, get_cache, errors):
     """
     ``{minion_id: [inode, size, mtime_ns, sha256]}`` of one key dir.  A key
@@ -490,8 +481,8 @@ def _list_key_dir(pki_dir, state, known, get_cache, errors):
 
 def keys_state(pki_dir, ids, errors=None):
     """
-    :py:func:`keys_manifest` restricted to ``ids``: a few stat calls per id
-    instead of a listing of every key dir (the reactor's one-key syncs).
+    ``{state_dir: {minion_id: sha256}}`` of the keys of ``ids`` only: a few
+    stat calls per id instead of a listing of every key dir (targeted syncs).
     Invalid ids are reported in ``errors`` and left out.
     """
     errors = errors if errors is not None else []
@@ -709,20 +700,8 @@ def digest_of_keys(man):
 
 
 def open_hashcache(state_dir, name):
-    """
-    A :class:`HashCache` in ``state_dir``.  Older versions kept one cache for
-    keys and files alike: it seeds the new ones (the first sync after an
-    upgrade re-hashes nothing), and goes once the keys have their snapshot.
-    """
-    path = os.path.join(state_dir, name)
-    legacy = os.path.join(state_dir, LEGACY_HASHCACHE)
-    if os.path.exists(path) or not os.path.exists(legacy):
-        return HashCache(path)
-    cache = HashCache(legacy)
-    cache.path, cache.dirty = path, True
-    if name == ROOTS_HASHCACHE and os.path.exists(os.path.join(state_dir, KEYS_SNAPSHOT)):
-        fsutil.remove(legacy)
-    return cache
+    """A :class:`HashCache` in ``state_dir``."""
+    return HashCache(os.path.join(state_dir, name))
 
 
 class SavedManifest:

@@ -15,9 +15,13 @@ Every peer reply carries ``protocol``: a peer running another version is a
 named error, not a silent "did not return".
 """
 
+import base64
+import hashlib
 import json
 import os
 import re
+
+import msgpack
 
 from salt_multimaster import seal
 
@@ -79,14 +83,233 @@ def open_request(private_pem, receiver, fun, sealed):
     return kwargs
 
 
-def reply_error(ret):
+# ---------------------------------------------------------------------------
+# Requests: the arguments each peer function accepts in its sealed request
+# ---------------------------------------------------------------------------
+REQUESTS = {
+    "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "test",
+                                   "rescan", "minion_ids"),
+    "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
+                               "expect", "config_keys", "keys_digest"),
+    "multimaster_peer.restore": ("backup_name", "test"),
+}
+
+
+def request(fun, **kwargs):
     """
-    A message when a peer's reply is from another protocol version, else None.
+    The keyword arguments of a request to the peer function ``fun``, without
+    the ``None`` ones; an argument ``fun`` does not take raises
+    :class:`ProtocolError` (a primary bug, never sent).
     """
-    if isinstance(ret, dict) and ret.get("protocol", PROTOCOL) != PROTOCOL:
-        return (f"peer runs protocol {ret.get('protocol')!r}, primary {PROTOCOL}: install "
-                "the same salt-multimaster on every master")
-    return None
+    unknown = sorted(set(kwargs) - set(REQUESTS[fun]))
+    if unknown:
+        raise ProtocolError(f"{fun} takes no {', '.join(unknown)}")
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def request_args(fun, kwargs, given):
+    """
+    The arguments of a call of ``fun``: ``given`` (its defaults, or the
+    command line's) updated with the opened request ``kwargs``; an argument
+    it does not take raises :class:`ProtocolError`.
+    """
+    unknown = sorted(set(kwargs) - set(given))
+    if unknown:
+        raise ProtocolError(f"unknown arguments in the request: {', '.join(unknown)}")
+    return dict(given, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Replies: every peer reply carries ``protocol``; the key naming each kind
+# ---------------------------------------------------------------------------
+REPLIES = {
+    "multimaster_peer.inventory": ("the inventory", "master_id"),
+    "multimaster_peer.apply": ("the apply", "backup"),
+    "multimaster_peer.restore": ("the restore", "restored"),
+}
+
+
+def reply(ret):
+    """``ret`` as a peer sends it back: with this side's protocol version."""
+    ret["protocol"] = PROTOCOL
+    return ret
+
+
+def no_reply(peer, what, got):
+    """Why ``peer`` gave no usable reply to ``what``, and what to do."""
+    if got is None:
+        return (f"{peer}'s salt-minion did not answer {what} (it is not connected to this "
+                f"master, or it stopped while working): start it, or check `salt-run "
+                f"manage.status`")
+    return (f"{peer} gave no usable reply to {what}: {str(got)[:300]} (is salt-multimaster "
+            f"installed there, and multimaster.master_config set on its minion?)")
+
+
+def version_error(peer, ret):
+    """
+    The error of a reply from another protocol version (a reply without
+    ``protocol``: a peer older than protocol 1), else None.
+    """
+    if not isinstance(ret, dict):
+        return None
+    version = ret.get("protocol", 0)
+    if version == PROTOCOL:
+        return None
+    return f"peer runs protocol {version}, primary {PROTOCOL}: upgrade salt-multimaster on {peer}"
+
+
+def check_reply(peer, fun, ret):
+    """
+    ``(reply, None)`` for a valid reply of ``peer`` to ``fun`` (``ret``: its
+    Salt return, ``None`` when it did not answer), its ``protocol`` taken
+    out; else ``(None, error)``: the peer did not answer, runs another
+    protocol version, or refused (its error).
+    """
+    what, key = REPLIES[fun]
+    error = version_error(peer, ret)
+    if error:
+        return None, error
+    if not isinstance(ret, dict) or key not in ret:
+        if isinstance(ret, dict) and ret.get("result") is False and ret.get("error"):
+            return None, str(ret["error"])
+        return None, no_reply(peer, what, ret)
+    ret = dict(ret)
+    ret.pop("protocol", None)
+    return ret, None
+
+
+# ---------------------------------------------------------------------------
+# A conditional apply: what the primary expects the peer to hold
+# ---------------------------------------------------------------------------
+BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
+
+
+def config_digest(values):
+    """The digest of replicated master options (``{option: value}``)."""
+    text = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def expectation(held):
+    """
+    What an apply expects the peer to hold, from what the primary last
+    confirmed it held (``held``: ``{category: inventory entry}``):
+    digests only, nothing secret (the request is sealed all the same).
+    """
+    expect = {}
+    for cat, entry in held.items():
+        if cat in BUCKETED:
+            expect[cat] = {"digest": entry["digest"]}
+            if "envs" in entry:
+                expect[cat]["envs"] = entry["envs"]
+        elif cat == "master_keys":
+            expect[cat] = {"pem": entry.get("pem"), "pub": entry.get("pub")}
+        else:
+            expect[cat] = {"config": config_digest(entry)}
+    return expect
+
+
+def expected_digests(expect):
+    """The bucket digests an inventory checking ``expect`` compares with."""
+    return {cat: e["digest"] for cat, e in expect.items() if cat in BUCKETED}
+
+
+def holds(expect, inv):
+    """Whether the peer whose inventory is ``inv`` holds what ``expect`` says."""
+    for cat, want in expect.items():
+        have = inv.get(cat) or {}
+        if cat in BUCKETED:
+            if have.get("buckets") or have.get("digest") != want["digest"]:
+                return False
+            if "envs" in want and have.get("envs") != want["envs"]:
+                return False
+        elif cat == "master_keys":
+            if (have.get("pem"), have.get("pub")) != (want["pem"], want["pub"]):
+                return False
+        elif config_digest(have) != want["config"]:
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Items: how the pull grant, the seals and the backups name what is synced
+# ---------------------------------------------------------------------------
+def item_name(cat, op):
+    """An operation's item as the pull grant and the seals name it."""
+    if cat == "minion_keys":
+        return f"{cat}/{op['state']}/{op['id']}"
+    if cat == "master_keys":
+        return f"{cat}/{op['name']}"
+    if cat == "master_config":
+        return f"{cat}/{DROPIN_NAME}"
+    return f"{cat}/{op['env']}/{op['rel']}"
+
+
+def parse_item(item):
+    """
+    ``(category, fields)`` of an item named by :func:`item_name`: fields
+    ``state``/``id`` (minion keys), ``env``/``rel`` (roots), ``name``.
+    Raise :class:`ProtocolError` for a name it does not make.
+    """
+    cat, _, rest = str(item).partition("/")
+    first, _, second = rest.partition("/")
+    if cat == "minion_keys" and first and second:
+        return cat, {"state": first, "id": second}
+    if cat in ("file_roots", "pillar_roots") and first and second:
+        return cat, {"env": first, "rel": second}
+    if cat in ("master_keys", "master_config") and rest:
+        return cat, {"name": rest}
+    raise ProtocolError(f"not an item name: {item!r}")
+
+
+# ---------------------------------------------------------------------------
+# The pull channel (peer_run multimaster.pull)
+# ---------------------------------------------------------------------------
+def pull_request(token, index):
+    """The ``request`` argument of a pull of chunk ``index`` of grant ``token``."""
+    return base64.urlsafe_b64encode(
+        json.dumps({"token": token, "chunk": index}).encode()).decode().rstrip("=")
+
+
+def open_pull_request(text):
+    """``(token, chunk index)`` of a pull request; :class:`ProtocolError` when malformed."""
+    try:
+        req = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+        token, index = str(req["token"]), int(req["chunk"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ProtocolError(f"malformed pull request: {exc}") from None
+    if not token.isalnum() or index < 0:
+        raise ProtocolError("malformed pull request: bad token or chunk")
+    return token, index
+
+
+def seal_pull_reply(peer_pub, peer, token, contents, missing, ops=None):
+    """
+    A chunk as the primary serves it, sealed to ``peer``: ``{"sealed": blob}``
+    (the first chunk also carries the operations).
+    """
+    body = {"contents": contents, "missing": missing}
+    if ops is not None:
+        body["ops"] = ops
+    # msgpack itself, not salt.payload: Salt's loads turns UTF-8 bytes into str
+    return {"sealed": seal.seal(peer_pub, msgpack.packb(body, use_bin_type=True), peer,
+                                f"pull/{token}", binary=True)}
+
+
+def open_pull_reply(unseal, token, reply_):
+    """
+    The chunk ``{"contents", "missing"[, "ops"]}`` of a pull reply;
+    ``unseal(blob, purpose)`` opens what was sealed to this peer.
+    """
+    if isinstance(reply_, dict) and set(reply_) == {"outputter", "data"}:
+        reply_ = reply_["data"]
+    if not isinstance(reply_, dict) or "sealed" not in reply_:
+        why = reply_.get("error") if isinstance(reply_, dict) and reply_ else "check its peer_run"
+        raise ProtocolError(f"the primary refused multimaster.pull ({why})")
+    try:
+        return msgpack.unpackb(unseal(reply_["sealed"], f"pull/{token}"), raw=False)
+    except seal.SealError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def payload_size(ops):

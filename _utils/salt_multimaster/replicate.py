@@ -6,7 +6,7 @@ Pure functions over manifests; nothing here touches disk or Salt.
 """
 
 from salt_multimaster import fsutil
-from salt_multimaster.layout import TOPOLOGIES  # noqa: F401  (re-exported)
+from salt_multimaster.protocol import item_name
 
 CATEGORIES = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
 DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "peer_run")
@@ -14,13 +14,6 @@ DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "
 # Salt checks rejected, then pending, then accepted: write before remove so a
 # key moving between states is never briefly absent (a new, pending key).
 WRITE, REMOVE = "write", "remove"
-
-
-def item_name(cat, op):
-    """An operation's item as the pull grant and the seals name it."""
-    if cat == "minion_keys":
-        return f"{cat}/{op['state']}/{op['id']}"
-    return f"{cat}/{op['env']}/{op['rel']}"
 
 
 # A pull reply carries at most about this much content, or this many items:

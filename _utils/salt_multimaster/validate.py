@@ -266,27 +266,16 @@ def ops(value):
     return value
 
 
-def mirror_keys(value):
+def minion_ids(value, maximum=None):
     """
-    The keys of ``multimaster_peer.mirror_keys``:
-    ``{minion_id: {key_state: {"sha256": ..., "data": ...}}}``.
+    The ids of a targeted key sync: a non-empty list of valid minion ids
+    (at most ``maximum``).
     """
-    if not isinstance(value, dict) or not value:
-        raise InvalidInput(f"keys must be a non-empty mapping of minion id to key states, "
-                           f"not {value!r}")
-    for mid, states in value.items():
-        if not manifest.valid_minion_id(mid):
-            raise InvalidInput(f"keys: invalid minion id {mid!r}")
-        if not isinstance(states, dict):
-            raise InvalidInput(f"keys[{mid!r}] must be a mapping of key state to key, "
-                               f"not {states!r}")
-        for state, entry in states.items():
-            where = f"keys[{mid!r}][{state!r}]"
-            if state not in manifest.KEY_STATES:
-                raise InvalidInput(f"{where}: unknown key state (known: "
-                                   f"{', '.join(manifest.KEY_STATES)})")
-            if not isinstance(entry, dict):
-                raise InvalidInput(f"{where} must be a mapping, not {entry!r}")
-            _need(where, entry, "sha256", str, _sha)
-            _need(where, entry, "data", str)
-    return value
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidInput(f"minion_ids must be a non-empty list of minion ids, not {value!r}")
+    bad = [mid for mid in value if not isinstance(mid, str) or not manifest.valid_minion_id(mid)]
+    if bad:
+        raise InvalidInput(f"minion_ids: invalid minion id(s) {', '.join(map(repr, bad))}")
+    if maximum is not None and len(value) > maximum:
+        raise InvalidInput(f"minion_ids: {len(value)} ids, at most {maximum}")
+    return list(value)

@@ -12,6 +12,9 @@ import stat
 import pytest
 import salt.utils.yaml
 
+from tests.conftest import REPO
+from tests.support.cluster import wait_until
+
 pytestmark = pytest.mark.daemons
 
 
@@ -52,8 +55,7 @@ def _snapshot(master):
     return ret
 
 
-PEER_FUNS = ("multimaster_peer.inventory", "multimaster_peer.apply",
-             "multimaster_peer.mirror_keys")
+PEER_FUNS = ("multimaster_peer.inventory", "multimaster_peer.apply")
 
 
 def _peer_jobs(cluster):
@@ -168,9 +170,9 @@ def test_states_validate_before_writing(cluster):
      "ops['minion_keys'][0]: missing field 'id'"),
     ("multimaster_peer.apply", 'ops={"keys": []}', "ops: unknown category 'keys'"),
     ("multimaster_peer.apply", "ops=[1]", "ops must be a mapping"),
-    ("multimaster_peer.mirror_keys", "keys=[1]", "keys must be a non-empty mapping"),
-    ("multimaster_peer.mirror_keys", 'keys={"web1": "minions"}',
-     "keys['web1'] must be a mapping of key state to key"),
+    ("multimaster_peer.inventory", "minion_ids=web1",
+     "minion_ids must be a non-empty list of minion ids"),
+    ("multimaster_peer.inventory", 'minion_ids=["../x"]', "minion_ids: invalid minion id(s)"),
     ("multimaster_peer.inventory", "categories=minion_keys",
      "categories must be a list of categories"),
     ("multimaster_peer.inventory", "categories=[keys]", "categories: unknown category 'keys'"),
@@ -214,3 +216,50 @@ def test_master_config_dropin_is_0600(cluster):
     assert stat.S_IMODE(dropin.stat().st_mode) == 0o600
     assert salt.utils.yaml.safe_load(dropin.read_text())["nodegroups"] == {
         "webs": "L@inp-minion1"}
+
+
+# An old peer: the peer module as it answered before replies carried their
+# protocol version (0), installed on the peer's minion over the pip one.
+OLD_PEER = """
+
+def _protocol_zero(ret):
+    ret.pop("protocol", None)
+    return ret
+"""
+
+
+def test_a_peer_of_another_protocol_version_is_named(cluster):
+    pm = cluster.peer_minions[0]
+    ext = cluster.salt(cluster.primary, "config.get", "extension_modules", "--out=json",
+                       minion_tgt=pm.id).data
+    modules = pathlib.Path(ext) / "modules"
+    modules.mkdir(parents=True, exist_ok=True)
+    source = (REPO / "_modules" / "multimaster_peer.py").read_text()
+    assert "return protocol.reply(" in source
+    old = modules / "multimaster_peer.py"
+    old.write_text(source.replace("return protocol.reply(", "return _protocol_zero(") + OLD_PEER)
+
+    def answers_unversioned():
+        cluster.salt(cluster.primary, "saltutil.refresh_modules", minion_tgt=pm.id)
+        ret = cluster.salt(cluster.primary, "multimaster_peer.inventory",
+                           "categories=[master_config]", "--out=json", minion_tgt=pm.id)
+        return isinstance(ret.data, dict) and "master_id" in ret.data \
+            and "protocol" not in ret.data
+
+    try:
+        assert wait_until(answers_unversioned, deadline=60), cluster.salt(
+            cluster.primary, "multimaster_peer.inventory", "categories=[master_config]",
+            "--out=json", minion_tgt=pm.id)
+        before = _snapshot(cluster.peers[0])
+        ret = cluster.salt_run(cluster.primary, "multimaster.sync", "--out=json")
+        assert ret.returncode != 0, ret
+        assert ret.data[pm.id] == {
+            "result": False,
+            "error": f"peer runs protocol 0, primary 1: upgrade salt-multimaster on {pm.id}"}, ret
+        assert _snapshot(cluster.peers[0]) == before
+    finally:
+        old.unlink()
+        cluster.salt(cluster.primary, "saltutil.refresh_modules", minion_tgt=pm.id)
+    assert wait_until(lambda: "protocol" in (cluster.salt(
+        cluster.primary, "multimaster_peer.inventory", "categories=[master_config]",
+        "--out=json", minion_tgt=pm.id).data or {}), deadline=60)

@@ -293,6 +293,69 @@ def test_noop_sync_changes_nothing(cluster):
     assert [_snapshot(p) for p in cluster.peers] == before
 
 
+def _peer_jobs(cluster):
+    """``{fun: set of job dirs}`` of the multimaster_peer jobs the primary published."""
+    import salt.payload  # pylint: disable=import-outside-toplevel
+
+    ret = {"multimaster_peer.inventory": set(), "multimaster_peer.apply": set()}
+    for load in cluster.job_cache(cluster.primary).glob("*/*/.load.p"):
+        with open(load, "rb") as fh:
+            fun = salt.payload.load(fh).get("fun")
+        if fun in ret:
+            ret[fun].add(load.parent)
+    return ret
+
+
+def _new_jobs(cluster, before):
+    """How many jobs of each multimaster_peer function were published since ``before``."""
+    return {fun: len(jobs - before[fun]) for fun, jobs in _peer_jobs(cluster).items()}
+
+
+def test_a_change_sync_is_one_publish_per_peer(cluster):
+    """
+    #17 item 7: the primary remembers what each peer was last confirmed to
+    hold, and publishes the apply with those digests; a peer changed behind
+    its back answers with its inventory and converges in a second round.
+    """
+    pki, root = cluster.pki_dir(cluster.primary), cluster.file_root(cluster.primary)
+    (pki / "minions" / "onepub").write_bytes(gen_keypair(1024)[1])
+    (root / "one.sls").write_text("one: 1\n")
+    before = _peer_jobs(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id]["minion_keys"]["added"] == ["minions/onepub"], ret.data
+        assert ret.data[pm.id]["file_roots"]["added"] == ["base:one.sls"], ret.data
+    # one apply per peer, and no inventory at all
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
+    for peer in cluster.peers:
+        assert (cluster.pki_dir(peer) / "minions" / "onepub").exists()
+        assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 1\n"
+
+    # the first peer changed behind the primary's back: the fallback
+    peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
+    (cluster.file_root(peer0) / "local.sls").write_text("mine\n")
+    (root / "one.sls").write_text("one: 2\n")
+    before = _peer_jobs(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    assert ret.data[pm0.id]["file_roots"]["removed"] == ["base:local.sls"], ret.data
+    for pm in cluster.peer_minions:
+        assert ret.data[pm.id]["file_roots"]["updated"] == ["base:one.sls"], ret.data
+    # peer0: the conditional apply (refused), then the apply; peer1: one apply
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 3}, new
+    for peer in cluster.peers:
+        assert not (cluster.file_root(peer) / "local.sls").exists()
+        assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 2\n"
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+    (pki / "minions" / "onepub").unlink()
+    (root / "one.sls").unlink()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+
+
 def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
     pki = cluster.pki_dir(cluster.primary)
     (pki / "minions_rejected" / "rej1").unlink()
@@ -494,10 +557,12 @@ def test_unreachable_peer_fails_alone(cluster):
         assert time.monotonic() - started < 120
         assert ret.returncode != 0
         assert ret.data[down.id]["result"] is False
+        # in step at the last sync: the change went out as one conditional apply
         assert ret.data[down.id]["error"] == (
-            f"{down.id}'s salt-minion did not answer the inventory (it is not connected to "
+            f"{down.id}'s salt-minion did not answer the apply (it is not connected to "
             "this master, or it stopped while working): start it, or check `salt-run "
             "manage.status`")
+        assert ret.data[down.id]["minion_keys"]["unconfirmed"] == ["minions/late1"]
         assert ret.data[up.id]["result"] is True
         assert (cluster.pki_dir(cluster.peers[0]) / "minions" / "late1").exists()
         assert not (cluster.pki_dir(cluster.peers[1]) / "minions" / "late1").exists()

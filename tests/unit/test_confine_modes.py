@@ -3,14 +3,12 @@ A peer writes only inside its roots, and never a setuid, setgid, sticky or
 world-writable file: the core functions, and the peer's apply of a tree.
 """
 
-import importlib.util
 import os
 import stat
 
 import pytest
 
-from salt_multimaster import fsutil, manifest, replicate
-from tests.conftest import REPO
+from salt_multimaster import fsutil, manifest, peer, replicate
 
 A, B = "a" * 64, "b" * 64
 
@@ -156,14 +154,6 @@ def test_locate_confined_refuses_a_file_found_through_a_dir_leading_out(tmp_path
 
 # ----- the peer's apply of a tree ------------------------------------------------
 
-def _peer_module():
-    spec = importlib.util.spec_from_file_location(
-        "mm_peer_confine", REPO / "_modules" / "multimaster_peer.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 class _Served:
     """Stands for the pull channel: the content of every op."""
 
@@ -175,13 +165,12 @@ class _Served:
 
 
 def _apply(tmp_path, roots, ops, data=b"new"):
-    peer = _peer_module()
     mopts = {"file_roots": {"base": roots}, "cachedir": str(tmp_path / "cache")}
-    app = peer._Applier(mopts)
+    app = peer.Applier(mopts, str(tmp_path / "state"), None)
     app.puller = _Served(data)
     for op in ops:
         op.setdefault("pull", 0)
-    report = peer._apply_tree(app, "file_roots", ops)
+    report = peer.apply_tree(app, "file_roots", ops, lambda ops: {})
     app.batch.commit()
     return report, app
 
@@ -233,20 +222,20 @@ def test_apply_tree_strips_dropped_bits_whatever_the_op_carries(tmp_path):
 
 
 def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out(tmp_path):
-    peer = _peer_module()
     pki, out = tmp_path / "pki", tmp_path / "elsewhere"
     pki.mkdir()
     out.mkdir()
     (out / "victim").write_text("not a key of this master")
     os.symlink(str(out), pki / "minions_pre")
-    app = peer._Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")})
+    app = peer.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
+                       str(tmp_path / "state"), None)
     key = "-----BEGIN PUBLIC KEY-----\nx\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "state": "minions_pre", "id": "web1", "sha256": manifest.key_sha(key.encode()),
             "data": key},
            {"op": "remove", "state": "minions_pre", "id": "victim"},
            {"op": "write", "state": "minions", "id": "web1", "sha256": manifest.key_sha(key.encode()),
             "data": key}]
-    report = peer._apply_minion_keys(app, ops)
+    report = peer.apply_minion_keys(app, ops)
     app.batch.commit()
     assert report["updated"] == ["minions/web1"]
     assert report["failed"] == ["minions_pre/web1", "minions_pre/victim"]
@@ -270,18 +259,17 @@ def test_apply_tree_replaces_a_symlinked_file_never_its_target(tmp_path):
 def test_master_keys_never_written_through_a_link_out_of_pki_dir(tmp_path):
     import hashlib  # pylint: disable=import-outside-toplevel
 
-    peer = _peer_module()
     pki, out = tmp_path / "pki", tmp_path / "elsewhere"
     pki.mkdir()
     out.mkdir()
     (out / "master.pub").write_text("outside")
     os.symlink(out / "master.pub", pki / "master.pub")
     mopts = {"pki_dir": str(pki), "id": "m2_master", "cachedir": str(tmp_path / "cache")}
-    app = peer._Applier(mopts)  # pylint: disable=protected-access
+    app = peer.Applier(mopts, str(tmp_path / "state"), None)
     data = "-----BEGIN PUBLIC KEY-----\nnew\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "kind": "pub", "name": "master.pub", "data": data,
             "sha256": hashlib.sha256(data.encode()).hexdigest()}]
-    report = peer._apply_master_keys(app, ops, "shared")  # pylint: disable=protected-access
+    report = peer.apply_master_keys(app, ops, "shared")
     app.batch.commit()
     assert report["failed"] == ["master.pub"]
     assert "outside" in report["errors"][0]

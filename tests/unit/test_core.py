@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from salt_multimaster import fsutil, manifest, replicate, seal
+from salt_multimaster import fsutil, manifest, protocol, replicate, seal
 from tests.support.cluster import gen_keypair
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -69,8 +69,8 @@ def test_assign_chunks_keys_first_then_balanced_files():
     assert max(sizes[1:]) - min(sizes[1:]) <= 10_100
     # in apply order, each item in the chunk its operation names
     flat = [name for chunk in chunks for name in chunk]
-    assert flat == [replicate.item_name(cat, op) for cat, op in keys + files + pillar]
-    assert all(replicate.item_name(c, o) in chunks[o["pull"]] for c, o in keys + files + pillar)
+    assert flat == [protocol.item_name(cat, op) for cat, op in keys + files + pillar]
+    assert all(protocol.item_name(c, o) in chunks[o["pull"]] for c, o in keys + files + pillar)
     # the item cap holds too, and nothing pulled is no chunk
     many = [("minion_keys", {"state": "minions", "id": f"k{i}"}) for i in range(25)]
     assert [len(c) for c in replicate.assign_chunks(many, max_items=10)] == [8, 8, 9]
@@ -122,11 +122,16 @@ def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
     pub = gen_keypair(1024)[1]
     (pki / "minions" / "good").write_bytes(pub)
     (pki / "minions" / "junk").write_text("not a key")
-    errors = []
-    man = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=errors)
+    man, errors = _listed(pki, tmp_path)
     assert list(man["minions"]) == ["good"]
     assert man["minions"]["good"] == manifest.key_sha(pub + b"\n\n")
     assert any("junk" in e and "PEM" in e for e in errors)
+
+
+def _listed(pki, tmp_path):
+    """Every key of ``pki`` listed afresh: ``(manifest, errors)``."""
+    snap = manifest.KeysSnapshot(str(pki), str(tmp_path / "fresh"), rescan=True)
+    return snap.manifest, snap.errors
 
 
 def _age(pki, seconds=10):
@@ -147,8 +152,7 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     _age(pki)
     first = manifest.KeysSnapshot(str(pki), str(state))
     assert not first.reused and first.hashed == 2  # web1, and junk found not a key
-    errors = []
-    listed = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=errors)
+    listed, errors = _listed(pki, tmp_path)
     assert first.manifest == listed and first.errors == errors
     assert first.digest == manifest.digest_of_keys(listed)
     assert first.counts == {s: len(listed[s]) for s in manifest.KEY_STATES}
@@ -193,26 +197,7 @@ def test_keys_snapshot_with_a_damaged_manifest_lists_again(tmp_path):
     assert not damaged.reused and damaged.manifest == first.manifest
 
 
-def test_hash_caches_seeded_from_the_single_cache_of_older_versions(tmp_path):
-    pki, state, root = tmp_path / "pki", tmp_path / "state", tmp_path / "root"
-    (pki / "minions").mkdir(parents=True)
-    root.mkdir()
-    state.mkdir()
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    (root / "a.sls").write_text("a")
-    old = manifest.HashCache(str(state / "hashcache.json"))
-    manifest.keys_manifest(str(pki), old)
-    manifest.tree_manifest([str(root)], manifest.Ignore(), old)
-    old.save()
-    snap = manifest.KeysSnapshot(str(pki), str(state))
-    assert snap.hashed == 0 and (state / "hashcache.json").exists()
-    roots = manifest.open_hashcache(str(state), manifest.ROOTS_HASHCACHE)
-    manifest.tree_manifest([str(root)], manifest.Ignore(), roots)
-    roots.save()
-    assert roots.hashed == 0 and not (state / "hashcache.json").exists()
-
-
-def test_keys_state_is_keys_manifest_of_chosen_ids(tmp_path):
+def test_keys_state_is_the_listing_of_chosen_ids(tmp_path):
     pki = tmp_path / "pki"
     for state in ("minions", "minions_pre", "minions_denied"):
         (pki / state).mkdir(parents=True)
@@ -222,7 +207,7 @@ def test_keys_state_is_keys_manifest_of_chosen_ids(tmp_path):
     (pki / "minions_pre" / "web2").write_bytes(other)
     (pki / "minions" / "junk").write_text("not a key")
     errors = []
-    man = manifest.keys_manifest(str(pki), manifest.HashCache(), errors=[])
+    man, _ = _listed(pki, tmp_path)
     chosen = manifest.keys_state(str(pki), ["web1", "absent", "junk", "../x"], errors=errors)
     assert chosen == {s: {m: v for m, v in man[s].items() if m == "web1"}
                       for s in manifest.KEY_STATES}

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from salt_multimaster import fsutil, grants, lock, manifest, replicate
+from salt_multimaster import fsutil, grants, lock, manifest, replicate, sync
 from tests.support.cluster import gen_keypair
 
 A, B = "a" * 64, "b" * 64
@@ -243,7 +243,7 @@ def test_forget_fileserver_hashes(tmp_path):
     assert manifest.forget_fileserver_hashes(str(tmp_path)) is False
 
 
-# ----- the runner's use of them ----------------------------------------------
+# ----- the runner and the sync core's use of them ----------------------------------------------
 def _runner(tmp_path):
     import importlib.util  # pylint: disable=import-outside-toplevel
 
@@ -277,7 +277,7 @@ def test_sync_refuses_while_another_sync_holds_the_lock(tmp_path):
 def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     import salt.utils.jid  # pylint: disable=import-outside-toplevel
 
-    runner = _runner(tmp_path)
+    opts = {"cachedir": str(tmp_path / "cache")}
     pull = tmp_path / "cache" / "multimaster" / "pull"
     pull.mkdir(parents=True)
     jid = "20261123220000000001"
@@ -286,13 +286,13 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     (pull / "aa11").write_text(json.dumps({"expires": time.time() - 1}))
     (pull / "aa11.jids").write_text(jid + "\n")
     (pull / "bb22").write_text(json.dumps({"expires": time.time() + 600}))
-    runner._sweep_grants()
+    sync.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, str(tmp_path / "cache" / "jobs"),
+                                                                "sha256"))
     assert sorted(os.listdir(pull)) == ["bb22"]
     assert not os.path.exists(job)
 
 
-def test_plan_passes_damaged_sources_to_the_planners(tmp_path):
-    runner = _runner(tmp_path)
+def test_plan_passes_damaged_sources_to_the_planners():
     keys = {"minions": {"ok": A}}
     primary = {"minion_keys": {"digest": manifest.digest_of_keys(keys), "previous": None,
                                "snapshot": type("S", (), {"parts": manifest.split("minion_keys", keys)}),
@@ -302,11 +302,11 @@ def test_plan_passes_damaged_sources_to_the_planners(tmp_path):
     digest = manifest.bucket_digests(parts)
     inv = {"minion_keys": {"digest": digest, "buckets": sorted(digest),
                            "manifest": peer_keys, "history": ["ok", "bad"], "errors": []}}
-    ops, report = runner._plan({"topology": "shared"}, ["minion_keys"], primary, inv, True)
+    ops, report = sync.plan("shared", ["minion_keys"], primary, inv, True)
     assert ops == {"minion_keys": []}
     assert report["minion_keys"]["removed"] == []
     assert report["minion_keys"]["errors"][0].startswith("minions/bad: damaged or unreadable")
-    assert runner._damaged_messages(primary, ["minion_keys"]) == [
+    assert sync.damaged_messages(primary, ["minion_keys"]) == [
         "minion_keys minions/bad: damaged or unreadable on the primary"]
 
 

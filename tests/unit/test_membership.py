@@ -243,7 +243,7 @@ def runner(tmp_path):
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"sent with bad input: {args} {kwargs}")
 
-    mod._mm_client_cmd = nothing_sent
+    mod._member_client_cmd = nothing_sent
     mod.sync = nothing_sent
     mod.conf = conf
     return mod
@@ -307,8 +307,8 @@ def flow(runner, tmp_path):
             return {tgt: "'service.available' is not available."}
         raise AssertionError(fun)
 
-    runner._mm_client_cmd = client_cmd
-    runner._mm_minions = lambda *args: ({"will_get": ["web01"]}, ["apply the formula"])
+    runner._member_client_cmd = client_cmd
+    runner._member_minions = lambda *args: ({"will_get": ["web01"]}, ["apply the formula"])
     runner.calls = calls
     runner.dropin = runner.conf / "master.d" / "multimaster-peers.conf"
     pem, pub = tmp_path / "pki" / "master.pem", tmp_path / "pki" / "master.pub"

@@ -76,28 +76,14 @@ def test_apply_refuses_unknown_topology(peer):
         "error": "multimaster_peer.apply: unknown topology 'mesh'"}
 
 
-@pytest.mark.parametrize("keys,error", [
-    ("web1", "keys must be a non-empty mapping of minion id to key states, not 'web1'"),
-    ({"web1": ["minions"]}, "keys['web1'] must be a mapping of key state to key, not ['minions']"),
-    ({"web1": {"minions": {"sha256": SHA}}}, "keys['web1']['minions']: missing field 'data'"),
-    ({"web1": {"elsewhere": {"sha256": SHA, "data": "k"}}},
-     "keys['web1']['elsewhere']: unknown key state (known: minions, minions_pre, "
-     "minions_rejected, minions_denied, minions_autosign)"),
-])
-def test_mirror_keys_refuses(peer, keys, error):
-    before = _tree(peer.tmp)
-    assert peer.mirror_keys(keys) == {"result": False, "protocol": 1,
-                                      "error": f"multimaster_peer.mirror_keys: {error}"}
-    assert peer.__context__["retcode"] == 1
-    assert _tree(peer.tmp) == before
-
-
 @pytest.mark.parametrize("kwargs,error", [
     ({"categories": "minion_keys"}, "categories must be a list of categories, not 'minion_keys'"),
     ({"categories": ["minion_keys", "keys"]}, "categories: unknown category 'keys' (known: "
      "master_keys, minion_keys, file_roots, pillar_roots, master_config)"),
     ({"digests": "x"}, "digests must be a mapping, not 'x'"),
     ({"config_keys": "peer"}, "config_keys must be a list, not 'peer'"),
+    ({"minion_ids": "web1"}, "minion_ids must be a non-empty list of minion ids, not 'web1'"),
+    ({"minion_ids": ["../x"]}, "minion_ids: invalid minion id(s) '../x'"),
 ])
 def test_inventory_refuses(peer, kwargs, error):
     assert peer.inventory(**kwargs) == {"result": False, "protocol": 1,

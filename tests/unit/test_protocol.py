@@ -40,10 +40,74 @@ def test_other_protocol_version_is_named(keys):
     blob = seal.seal(pub, body, "m2", "request/f")
     with pytest.raises(protocol.ProtocolError, match="protocol 0, this peer 1"):
         protocol.open_request(priv, "m2", "f", blob)
-    assert protocol.reply_error({"protocol": 1}) is None
-    assert protocol.reply_error({"master_id": "x"}) is None
-    assert protocol.reply_error({"protocol": 2}) == (
-        "peer runs protocol 2, primary 1: install the same salt-multimaster on every master")
+
+
+
+def test_every_reply_is_checked_for_its_version_and_kind():
+    fun = "multimaster_peer.inventory"
+    assert protocol.check_reply("m2", fun, {"protocol": 1, "master_id": "m2"}) == (
+        {"master_id": "m2"}, None)
+    # an old peer answers without a version: protocol 0
+    assert protocol.check_reply("m2", fun, {"master_id": "m2"}) == (
+        None, "peer runs protocol 0, primary 1: upgrade salt-multimaster on m2")
+    assert protocol.check_reply("m2", fun, {"protocol": 2, "master_id": "m2"}) == (
+        None, "peer runs protocol 2, primary 1: upgrade salt-multimaster on m2")
+    assert protocol.check_reply("m2", fun, None)[1].startswith(
+        "m2's salt-minion did not answer the inventory")
+    assert protocol.check_reply("m2", fun, "'multimaster_peer.inventory' is not available.")[
+        1].startswith("m2 gave no usable reply to the inventory: 'multimaster_peer.inventory'")
+    refused = {"protocol": 1, "result": False, "error": "multimaster_peer.apply: bad ops"}
+    assert protocol.check_reply("m2", "multimaster_peer.apply", refused) == (
+        None, "multimaster_peer.apply: bad ops")
+    assert protocol.reply({"backup": None}) == {"backup": None, "protocol": 1}
+
+
+def test_requests_name_only_the_arguments_their_function_takes():
+    assert protocol.request("multimaster_peer.restore", backup_name=None, test=True) == {
+        "test": True}
+    with pytest.raises(protocol.ProtocolError, match="takes no ops"):
+        protocol.request("multimaster_peer.restore", ops={})
+    assert protocol.request_args("f", {"test": True}, {"test": False, "x": 1}) == {
+        "test": True, "x": 1}
+    with pytest.raises(protocol.ProtocolError, match="unknown arguments in the request: y"):
+        protocol.request_args("f", {"y": 1}, {"test": False})
+
+
+@pytest.mark.parametrize("cat,op", [
+    ("minion_keys", {"state": "minions_pre", "id": "web.1"}),
+    ("file_roots", {"env": "base", "rel": "a/b c.sls"}),
+    ("pillar_roots", {"env": "dev", "rel": "top.sls"}),
+    ("master_keys", {"name": "master_sign.pem"}),
+])
+def test_item_names_parse_back(cat, op):
+    assert protocol.parse_item(protocol.item_name(cat, op)) == (cat, op)
+
+
+def test_master_config_item_is_the_dropin_and_bad_names_are_refused():
+    assert protocol.item_name("master_config", {"values": {}}) == (
+        "master_config/multimaster-sync.conf")
+    for bad in ("minion_keys/minions", "keys/a/b", "file_roots/base", ""):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.parse_item(bad)
+
+
+def test_pull_request_and_reply_roundtrip(keys):
+    text = protocol.pull_request("abc123", 2)
+    assert protocol.open_pull_request(text) == ("abc123", 2)
+    for bad in ("", "!!", protocol.pull_request("../x", 0), protocol.pull_request("a", -1)):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.open_pull_request(bad)
+    priv, pub = keys["m2"]
+    sealed = protocol.seal_pull_reply(pub, "m2", "abc123", {"minion_keys/minions/a": b"k"}, [],
+                                      ops={"minion_keys": []})
+    unseal = lambda blob, purpose: seal.unseal(priv, blob, "m2", purpose)  # noqa: E731
+    served = {"outputter": "no_return", "data": sealed}
+    assert protocol.open_pull_reply(unseal, "abc123", served) == {
+        "contents": {"minion_keys/minions/a": b"k"}, "missing": [], "ops": {"minion_keys": []}}
+    with pytest.raises(protocol.ProtocolError, match="refused multimaster.pull .no pull grant"):
+        protocol.open_pull_reply(unseal, "abc123", {"error": "no pull grant for m2"})
+    with pytest.raises(protocol.ProtocolError):
+        protocol.open_pull_reply(unseal, "other", sealed)
 
 
 def test_pull_allowed_matches_like_salt():

@@ -8,6 +8,7 @@ import importlib.util
 
 import pytest
 
+from salt_multimaster import sync
 from tests.conftest import REPO
 
 
@@ -32,8 +33,6 @@ def runner(tmp_path):
         raise AssertionError(f"published with bad input: {args} {kwargs}")
 
     mod._Job = nothing_sent
-    mod._publish = nothing_sent
-    mod._primary_state = nothing_sent
     return mod
 
 
@@ -113,12 +112,11 @@ def test_salt_pub_kwargs_pass(runner, tmp_path):
         runner.sync(minion_ids="web01", __pub_user="root", __pub_jid="1", test="yes")
 
 
-def test_a_peer_not_accepted_names_the_command(runner, tmp_path):
-    (tmp_path / "pki" / "minions" / "m3").unlink()
+def test_a_peer_not_accepted_names_the_command(tmp_path):
+    (tmp_path / "pki" / "minions").mkdir(parents=True)
     (tmp_path / "pki" / "minions_pre").mkdir()
     (tmp_path / "pki" / "minions_pre" / "m3").write_text("key")
-    runner.__opts__["multimaster"]["peers"] = ["m2", "m3", "m4"]
-    errors = runner._peer_errors(["m3", "m4"])  # pylint: disable=protected-access
+    errors = sync.peer_errors({"pki_dir": str(tmp_path / "pki")}, ["m3", "m4"])
     assert errors == {
         "m3": "peer 'm3' is not an accepted minion of this master: its key is pending, "
               "accept it: salt-key -a m3",

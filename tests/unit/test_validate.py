@@ -184,19 +184,15 @@ def test_ops_master_config_values_allow_list():
         validate.ops({"master_config": [{"op": "write", "values": {"pki_dir": "/tmp/x"}}]})
 
 
-def test_mirror_keys():
-    keys = {"web1": {"minions": {"sha256": SHA, "data": "k"}}, "gone": {}}
-    assert validate.mirror_keys(keys) is keys
+def test_minion_ids():
+    assert validate.minion_ids(["web1", "web2"]) == ["web1", "web2"]
     for bad, message in [
-        ([1], "keys must be a non-empty mapping of minion id to key states, not [1]"),
-        ({}, "keys must be a non-empty mapping of minion id to key states, not {}"),
-        ({"a/b": {}}, "keys: invalid minion id 'a/b'"),
-        ({"w": "minions"}, "keys['w'] must be a mapping of key state to key, not 'minions'"),
-        ({"w": {"nowhere": {}}}, "keys['w']['nowhere']: unknown key state (known: minions, "
-                                 "minions_pre, minions_rejected, minions_denied, minions_autosign)"),
-        ({"w": {"minions": "k"}}, "keys['w']['minions'] must be a mapping, not 'k'"),
-        ({"w": {"minions": {"data": "k"}}}, "keys['w']['minions']: missing field 'sha256'"),
+        ("web1", "minion_ids must be a non-empty list of minion ids, not 'web1'"),
+        ([], "minion_ids must be a non-empty list of minion ids, not []"),
+        (["ok", "a/b", 3], "minion_ids: invalid minion id(s) 'a/b', 3"),
     ]:
         with pytest.raises(InvalidInput) as exc:
-            validate.mirror_keys(bad)
+            validate.minion_ids(bad)
         assert str(exc.value) == message
+    with pytest.raises(InvalidInput, match="^minion_ids: 3 ids, at most 2$"):
+        validate.minion_ids(["a", "b", "c"], maximum=2)

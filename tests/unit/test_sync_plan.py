@@ -1,17 +1,10 @@
 """Planning a peer from the primary's previous state: the same plan as from the peer's details."""
 
-import importlib.util
 import types
 
-from salt_multimaster import manifest
-from tests.conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("mm_runner_plan", REPO / "_runners" / "multimaster.py")
-runner = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runner)
+from salt_multimaster import manifest, sync
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
-CONF = {"topology": "shared"}
 
 
 def _primary(cat, before, now, previous=True):
@@ -34,7 +27,7 @@ def _inventory(cat, peer, sent, history=()):
     diff = manifest.differing(sent, mine)
     inv = {"digest": mine, "buckets": diff, "manifest": manifest.merge(parts, diff), "errors": []}
     if cat == "minion_keys":
-        inv["history"] = [mid for mid in history if manifest._bucket(mid) in set(diff)]
+        inv["history"] = [mid for mid in history if manifest.bucket_of(mid) in set(diff)]
     else:
         inv["envs"] = sorted(peer)
     return {cat: inv}
@@ -44,9 +37,9 @@ def _both_ways(cat, before, now, history=()):
     """The plan for a peer holding ``before``, asked with the previous and the current digests."""
     primary = _primary(cat, before, now)
     old_sent, new_sent = primary[cat]["previous"][0], primary[cat]["digest"]
-    from_previous = runner._plan(CONF, [cat], primary, _inventory(cat, before, old_sent, history), False)
-    from_details = runner._plan(CONF, [cat], primary, _inventory(cat, before, new_sent, history), False)
-    assert not runner._unplannable([cat], primary, _inventory(cat, before, old_sent), {cat: old_sent})
+    from_previous = sync.plan("shared", [cat], primary, _inventory(cat, before, old_sent, history), False)
+    from_details = sync.plan("shared", [cat], primary, _inventory(cat, before, new_sent, history), False)
+    assert not sync.unplannable([cat], primary, _inventory(cat, before, old_sent), {cat: old_sent})
     return from_previous, from_details
 
 
@@ -76,7 +69,7 @@ def test_a_peer_not_in_the_previous_state_is_planned_from_its_details():
     peer = {"base": {"a.sls": [1, 0o644, B], "local.sls": [1, 0o644, B]}}
     primary = _primary("file_roots", before, now)
     inv = _inventory("file_roots", peer, primary["file_roots"]["previous"][0])
-    _, report = runner._plan(CONF, ["file_roots"], primary, inv, False)
+    _, report = sync.plan("shared", ["file_roots"], primary, inv, False)
     assert report["file_roots"]["updated"] == ["base:a.sls"]
     assert report["file_roots"]["removed"] == ["base:local.sls"]
 
@@ -87,14 +80,14 @@ def test_without_the_previous_state_the_peer_is_asked_again():
     sent = manifest.digest_of_keys(before)
     inv = _inventory("minion_keys", before, sent)
     lost = _primary("minion_keys", before, now, previous=False)
-    assert runner._unplannable(["minion_keys"], lost, inv, {"minion_keys": sent})
+    assert sync.unplannable(["minion_keys"], lost, inv, {"minion_keys": sent})
     # a previous state that is not the one whose digests were sent
     other = _primary("minion_keys", {"minions": {"web1": A, "web2": C}}, now)
-    assert runner._unplannable(["minion_keys"], other, inv, {"minion_keys": sent})
+    assert sync.unplannable(["minion_keys"], other, inv, {"minion_keys": sent})
     # in step with the current state: nothing to ask
     current = _primary("minion_keys", now, now, previous=False)
     inv_now = _inventory("minion_keys", now, current["minion_keys"]["digest"])
-    assert not runner._unplannable(["minion_keys"], current, inv_now,
+    assert not sync.unplannable(["minion_keys"], current, inv_now,
                                    {"minion_keys": current["minion_keys"]["digest"]})
 
 
@@ -104,6 +97,6 @@ def test_a_previous_state_that_does_not_match_its_digests_is_not_trusted():
     primary = _primary("minion_keys", before, now)
     sent = primary["minion_keys"]["previous"][0]
     inv = _inventory("minion_keys", before, sent)
-    assert not runner._unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
+    assert not sync.unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
     primary["minion_keys"]["previous"] = (sent, lambda: {})  # lost its content
-    assert runner._unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
+    assert sync.unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})

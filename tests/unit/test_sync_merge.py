@@ -1,12 +1,6 @@
 """The sync report keeps what the peer did not fail, whatever Salt trimmed."""
 
-import importlib.util
-
-from tests.conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("mm_runner", REPO / "_runners" / "multimaster.py")
-runner = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(runner)
+from salt_multimaster import sync
 
 
 def _report():
@@ -19,7 +13,7 @@ def _report():
 
 def test_failed_items_leave_the_report():
     report = _report()
-    runner._merge(report, {"minion_keys": {"errors": ["minions/b: disk full"], "failed": ["minions/b"]},
+    sync.merge(report, {"minion_keys": {"errors": ["minions/b: disk full"], "failed": ["minions/b"]},
                            "master_config": {"errors": [], "failed": ["multimaster-sync.conf"]},
                            "backup": None})
     assert report["minion_keys"]["added"] == ["minions/a"]
@@ -30,6 +24,6 @@ def test_failed_items_leave_the_report():
 
 def test_a_trimmed_return_is_an_error_not_an_empty_report():
     report = _report()
-    runner._merge(report, {"minion_keys": {"errors": [], "failed": "VALUE_TRIMMED"}})
+    sync.merge(report, {"minion_keys": {"errors": [], "failed": "VALUE_TRIMMED"}})
     assert report["minion_keys"]["added"] == ["minions/a", "minions/b"]
     assert report["minion_keys"]["errors"] == ["the peer's list of failed items was trimmed"]

@@ -1,0 +1,633 @@
+"""
+The peer's side of a sync, without Salt's loader: what a peer master holds
+(a read-only inventory), the applier of the operations the primary planned,
+the record of the minion ids received from the primary, and the restore of
+a backup.
+
+The Salt-specific parts are passed in by ``_modules/multimaster_peer.py``:
+``unseal(blob, purpose)`` (this minion's private key), ``fetch(ops)`` (the
+primary's fileserver), ``pull(index)`` (``publish.runner multimaster.pull``)
+and ``restart()`` (the local salt-master).  ``mopts`` is the peer master's
+configuration, ``state_dir`` the minion's ``<cachedir>/multimaster``.
+"""
+
+import concurrent.futures
+import datetime
+import functools
+import hashlib
+import json
+import logging
+import os
+
+import salt.utils.yaml
+
+from salt_multimaster import (backup, compat, daemon, finger, fsutil, layout, manifest, protocol,
+                              replicate, seal, validate)
+
+log = logging.getLogger(__name__)
+
+HISTORY_NAME = "minion_keys_history.json"
+# Errors a peer sends back per category, at most (Salt trims larger returns).
+MAX_REPORTED = 100
+# Chunk requests in flight while the current chunk is written (the keys and the
+# first file chunk).  Smaller chunks with more in flight (5,000 keys or 24 MiB,
+# three in flight) measured slower in the benchmark: each peer_run call costs
+# the primary a fixed share of CPU, and on two cores CPU is what runs out.
+PULL_AHEAD = 2
+DROPIN_HEADER = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
+
+
+class PeerError(Exception):
+    """An item this peer cannot apply; its message names it."""
+
+
+# ---------------------------------------------------------------------------
+# The key history: ids this peer received from the primary
+# ---------------------------------------------------------------------------
+def history_path(state_dir):
+    return os.path.join(state_dir, HISTORY_NAME)
+
+
+def read_history(state_dir):
+    """The ids this peer received from the primary (a list)."""
+    try:
+        with open(history_path(state_dir), encoding="utf-8") as fh:
+            ids = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    return ids if isinstance(ids, list) else []
+
+
+def _history_stamp(state_dir):
+    try:
+        st = os.stat(history_path(state_dir))
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _write_history(state_dir, ids):
+    fsutil.atomic_write(history_path(state_dir), json.dumps(sorted(ids)), mode=0o600)
+
+
+def update_history(state_dir, ops, report):
+    """
+    Remember the ids received from the primary (``report``: what an apply
+    of the ``minion_keys`` ``ops`` did), so that a later removal there reads
+    as a deletion, and a key found only here as a conflict.
+    """
+    written = {op["id"] for op in ops if op["op"] == replicate.WRITE}
+    history = set(read_history(state_dir))
+    history |= {r.split("/", 1)[1] for r in report["updated"]}
+    history -= {r.split("/", 1)[1] for r in report["removed"]} - written
+    _write_history(state_dir, history)
+
+
+def record_history(mopts, state_dir, primary_digest):
+    """
+    The explicit history step of an apply: every id of a bucket where this
+    peer's keys equal the primary's (``primary_digest``: the primary's
+    bucket digests) came from the primary.  Stamped in the key snapshot, so
+    the inventory tells the primary whether it is recorded
+    (``history_recorded``).
+    """
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir)
+    same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
+    if same:
+        held = manifest.merge(snap.parts, same)
+        ids = {mid for keys in held.values() for mid in keys}
+        history = set(read_history(state_dir))
+        if not ids <= history:
+            _write_history(state_dir, history | ids)
+    snap.remember(history=_history_stamp(state_dir))
+
+
+# ---------------------------------------------------------------------------
+# Inventory (read-only)
+# ---------------------------------------------------------------------------
+def inventory(mopts, state_dir, categories, digests, topology, config_keys, rescan=False):
+    """
+    What this peer master holds, for ``categories``.  For the bucketed
+    categories only the buckets whose digest differs from ``digests`` (the
+    primary's) are detailed: an unchanged peer answers with digests only.
+    Changes no key, file or record of the sync.
+    """
+    running, where = daemon.master_running(mopts)
+    ret = {"master_id": mopts["id"], "errors": [],
+           "master_running": running, "master_address": where,
+           "restart_pending": daemon.restart_pending(
+               mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
+    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir, rescan=rescan)
+    for cat in categories:
+        if cat == "master_keys":
+            pem, pub = layout.master_key_files(mopts, topology)
+            ret[cat] = {"pem": manifest.sha256_or_none(pem),
+                        "pub": manifest.sha256_or_none(pub),
+                        "fingerprint": finger.file_finger(
+                            pub, mopts.get("hash_type", "sha256")) or None}
+        elif cat == "master_config":
+            keys = config_keys or list(replicate.DEFAULT_CONFIG_KEYS)
+            ret[cat] = {k: mopts.get(k) for k in keys}
+        elif cat == "minion_keys":
+            ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan)
+        else:
+            parts = manifest.split(cat, roots[cat])
+            mine = manifest.bucket_digests(parts)
+            diff = manifest.differing(digests.get(cat) or {}, mine)
+            ret[cat] = {"digest": mine, "errors": roots_errors[cat], "buckets": diff,
+                        "manifest": manifest.merge(parts, diff),
+                        "envs": sorted(mopts.get(cat) or {})}
+    return ret
+
+
+def keys_inventory(mopts, state_dir, digests, rescan=False):
+    """
+    The ``minion_keys`` part of :func:`inventory`: digests, the differing
+    buckets, and the ids of those buckets received from the primary before.
+    While no key dir changed, no key is looked at.
+    """
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan)
+    diff = manifest.differing(digests, snap.digest)
+    wanted = set(diff)
+    return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
+            "manifest": manifest.merge(snap.parts, diff) if diff else {},
+            "counts": snap.counts,
+            "history": ([mid for mid in read_history(state_dir)
+                         if manifest.bucket_of(mid) in wanted] if wanted else []),
+            "history_recorded": snap.meta.get("history") == _history_stamp(state_dir)}
+
+
+def targeted_inventory(mopts, state_dir, ids):
+    """
+    The keys of ``ids`` only (a targeted sync): their manifest and which of
+    them this peer received from the primary.
+    """
+    errors = []
+    here = manifest.keys_state(mopts["pki_dir"], list(ids), errors=errors)
+    history = set(read_history(state_dir))
+    return {"master_id": mopts["id"], "errors": [],
+            "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
+                            "history": sorted(history & set(ids))}}
+
+
+# ---------------------------------------------------------------------------
+# Applying
+# ---------------------------------------------------------------------------
+class Applier:
+    """
+    Apply the operations of one sync to this peer, with backups: every
+    write staged outside the roots and key dirs, renamed in :meth:`commit`.
+    ``unseal(blob, purpose)`` opens what was sealed to this peer.
+    """
+
+    def __init__(self, mopts, state_dir, unseal):
+        self.mopts = mopts
+        self.state_dir = state_dir
+        self.unseal = unseal
+        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
+        self.backed_up = False
+        # staged outside the roots and key dirs (nothing half-synced is ever
+        # served), where a batch killed before its commit is found and
+        # removed by the next one
+        stage_root = os.path.join(mopts["cachedir"], "multimaster", "stage")
+        for stale in fsutil.clean_stages(stage_root):
+            log.info("multimaster: removed %s, left by a sync that died", stale)
+        self.batch = fsutil.Batch(stage_root=stage_root)
+        self.puller = None
+        self.written = []
+        # directories this sync resolved or created: a sync of 20,000 keys
+        # writes 20,000 files into one directory
+        self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
+        self.dirs = set()
+        self.listings = {}
+
+    def safe_join(self, root, rel):
+        return fsutil.safe_join(root, rel, realpath=self.realpath)
+
+    def makedirs(self, path, mode=0o755):
+        if path not in self.dirs:
+            fsutil.makedirs(path, mode=mode)
+            self.dirs.add(path)
+
+    def _listed(self, path):
+        """
+        Whether ``path`` exists, from one listing of its directory per sync:
+        an initial sync writes 20,000 keys into one directory, and a stat
+        of each costs more than the listing.
+        """
+        directory, name = os.path.split(path)
+        names = self.listings.get(directory)
+        if names is None:
+            try:
+                names = self.listings[directory] = frozenset(os.listdir(directory))
+            except OSError:
+                names = self.listings[directory] = frozenset()
+        return name in names
+
+    def backup(self, path, rel):
+        if self._listed(path) and fsutil.backup(path, self.backup_root, rel):
+            self.backed_up = True
+
+    def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
+        """
+        Stage ``data`` for ``path``; ``cache_path``: the name the manifests
+        give the file in the hash cache, so the next inventory stats it
+        instead of hashing it again.
+        """
+        hasher = hasher or (lambda d: hashlib.sha256(d).hexdigest())
+        if sha is not None and hasher(data) != sha:
+            raise PeerError(f"{rel}: content does not match its manifest, not written")
+        self.backup(path, rel)
+        self.makedirs(os.path.dirname(path))
+        self.batch.write(path, data, mode=mode)
+        if cache_path and sha is not None:
+            name = (manifest.KEYS_HASHCACHE if rel.startswith("minion_keys/")
+                    else manifest.ROOTS_HASHCACHE)
+            self.written.append((name, path, cache_path, sha))
+
+    def commit(self):
+        """Make every staged write durable, then record the written files' hashes."""
+        try:
+            self.batch.commit()
+        except OSError as exc:
+            raise PeerError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+        caches = {}
+        for name, path, cache_path, sha in self.written:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if name not in caches:
+                caches[name] = manifest.open_hashcache(self.state_dir, name)
+            caches[name].entries[cache_path] = [st.st_ino, st.st_size, st.st_mtime_ns, sha]
+            caches[name].dirty = True
+        for cache in caches.values():
+            cache.save()
+        self.written = []
+
+    def remove(self, path, rel):
+        self.backup(path, rel)
+        self.batch.remove(path)
+
+    def content(self, cat, op):
+        """The content of a write operation, however it travelled."""
+        if "pull" in op and self.puller is not None:
+            return self.puller.get(cat, op)
+        if "sealed" in op:
+            return self.unseal(op["sealed"], protocol.item_name(cat, op))
+        if "data" in op:
+            return op["data"].encode()
+        raise PeerError("content missing (not pulled from the primary)")
+
+
+APPLY_ERRORS = (PeerError, OSError, ValueError, seal.SealError, protocol.ProtocolError)
+
+
+def _report():
+    """A category's report; ``failed`` names the items not applied."""
+    report = replicate.empty_report()
+    report["failed"] = []
+    return report
+
+
+def outcome(report):
+    """
+    What goes back to the primary: failures only.  The primary already knows
+    what it asked for; echoing 20,000 written keys would exceed Salt's
+    max_event_size, and Salt would trim the return.
+    """
+    errors = report["errors"]
+    if len(errors) > MAX_REPORTED:
+        errors = errors[:MAX_REPORTED] + [f"... and {len(errors) - MAX_REPORTED} more errors"]
+    return {"errors": errors, "failed": report["failed"]}
+
+
+def apply_minion_keys(app, ops):
+    report = _report()
+    pki = app.mopts["pki_dir"]
+    for op in ops:
+        rel = f"{op['state']}/{op['id']}"
+        try:
+            if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_STATES:
+                raise PeerError(f"{rel}: invalid minion id or key state")
+            path = app.safe_join(pki, rel)
+            if op["op"] == replicate.WRITE:
+                app.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
+                app.write(path, app.content("minion_keys", op), 0o644, f"minion_keys/{rel}",
+                          op["sha256"], hasher=manifest.key_sha, cache_path=path)
+            else:
+                app.remove(path, f"minion_keys/{rel}")
+            report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
+        except APPLY_ERRORS as exc:
+            report["errors"].append(f"{rel}: {exc}")
+            report["failed"].append(rel)
+    return report
+
+
+def apply_tree(app, cat, ops, fetch):
+    """
+    Apply the operations of a roots category; ``fetch(ops)``: ``{id(op):
+    path of the fetched file, or an exception}`` for the file_roots files
+    whose content travels neither sealed nor pulled.
+    """
+    report = _report()
+    roots = app.mopts.get(cat) or {}
+    # a fetch that failed: a PeerError in place of the path
+    fetched = fetch([op for op in ops if op["op"] == replicate.WRITE
+                     and "sealed" not in op and "pull" not in op and op.get("env") in roots])
+    for op in ops:
+        rel = f"{op['env']}:{op['rel']}"
+        item = protocol.item_name(cat, op)
+        try:
+            env_roots = roots.get(op["env"])
+            if not env_roots:
+                raise PeerError(f"saltenv {op['env']!r} is not configured on the peer")
+            fresh = app.safe_join(env_roots[0], op["rel"])  # validates rel
+            # inside the root it is found under, or an error: nothing written
+            current = manifest.locate_confined(env_roots, op["rel"], realpath=app.realpath)
+            if op["op"] == replicate.REMOVE:
+                if current:
+                    app.remove(current, item)
+                report["removed"].append(rel)
+                continue
+            target = current or fresh
+            if "sealed" in op or "pull" in op:
+                data = app.content(cat, op)
+            else:
+                cached = fetched[id(op)]
+                if isinstance(cached, Exception):
+                    raise cached
+                with open(cached, "rb") as fh:
+                    data = fh.read()
+            app.write(target, data, fsutil.safe_mode(op["mode"]), item, op["sha256"],
+                      cache_path=os.path.join(app.realpath(os.path.dirname(target)),
+                                              os.path.basename(target)))
+            report["updated"].append(rel)
+        except APPLY_ERRORS as exc:
+            report["errors"].append(f"{rel}: {exc}")
+            report["failed"].append(rel)
+    return report
+
+
+def apply_master_keys(app, ops, topology):
+    report = _report()
+    pem_path, pub_path = layout.master_key_files(app.mopts, topology)
+    pki = app.mopts["pki_dir"]
+    fsutil.makedirs(pki, mode=fsutil.KEY_DIR_MODE)
+    os.chmod(pki, fsutil.KEY_DIR_MODE)
+    for op in ops:
+        try:
+            # the files Salt loads, never through a link leading out of pki_dir
+            if op["kind"] == "pem":
+                app.write(fsutil.confine(pki, pem_path), app.content("master_keys", op),
+                          fsutil.PRIVATE_KEY_MODE, protocol.item_name("master_keys", op),
+                          op["sha256"])
+            else:
+                app.write(fsutil.confine(pki, pub_path), op["data"].encode(), 0o644,
+                          protocol.item_name("master_keys", op), op["sha256"])
+            report["updated"].append(op["name"])
+        except APPLY_ERRORS as exc:
+            report["errors"].append(f"{op['name']}: {exc}")
+            report["failed"].append(op["name"])
+    return report
+
+
+def apply_master_config(app, ops):
+    report = _report()
+    path = protocol.dropin_path(app.mopts)
+    for op in ops:
+        try:
+            fsutil.makedirs(os.path.dirname(path))
+            data = DROPIN_HEADER + salt.utils.yaml.safe_dump(op["values"],
+                                                             default_flow_style=False)
+            # 0600: external_auth and the like may hold credentials
+            app.write(path, data.encode(), 0o600, protocol.item_name("master_config", op),
+                      None)
+            report["updated"].append(protocol.DROPIN_NAME)
+        except APPLY_ERRORS as exc:
+            report["errors"].append(f"{path}: {exc}")
+            report["failed"].append(protocol.DROPIN_NAME)
+    return report
+
+
+def apply_categories(app, ops, topology, fetch):
+    ret = {}
+    for cat, cat_ops in ops.items():
+        if cat == "minion_keys":
+            ret[cat] = apply_minion_keys(app, cat_ops)
+        elif cat in ("file_roots", "pillar_roots"):
+            ret[cat] = apply_tree(app, cat, cat_ops, fetch)
+        elif cat == "master_keys":
+            ret[cat] = apply_master_keys(app, cat_ops, topology)
+        else:
+            ret[cat] = apply_master_config(app, cat_ops)
+    return ret
+
+
+class Puller:
+    """
+    The operations of a sync and the contents marked ``pull`` (with the
+    index of their chunk), fetched from the primary: ``request(index)``
+    returns the reply of ``multimaster.pull`` for chunk ``index``.  The
+    first chunk carries the operations; the next chunks are fetched while
+    the current one is written: two requests in flight, at most three chunks
+    held.
+    """
+
+    def __init__(self, app, token, count, request):
+        self.app, self.token, self.count = app, token, int(count)
+        self.request = request
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=PULL_AHEAD)
+        self.futures = {}
+        self.loaded, self.contents = None, {}
+
+    def _fetch(self, index):
+        reply = self.request(protocol.pull_request(self.token, index))
+        return protocol.open_pull_reply(self.app.unseal, self.token, reply)
+
+    def _load(self, index):
+        if index != self.loaded:
+            future = self._future(index)
+            for ahead in range(1, PULL_AHEAD + 1):
+                self._future(index + ahead)
+            self.contents = None
+            self.contents = future.result()
+            self.futures.pop(index, None)
+            self.loaded = index
+        return self.contents
+
+    def ops(self):
+        """The operations of this sync, from the first chunk."""
+        ops = self._load(0).get("ops")
+        if not isinstance(ops, dict):
+            raise PeerError("the primary sent no operations with the first chunk")
+        return ops
+
+    def _future(self, index):
+        if index not in self.futures and index < self.count:
+            # Salt's loader dunders (__salt__, __opts__) live in context
+            # variables: run the request in a copy of this thread's context
+            self.futures[index] = self.pool.submit(compat.copy_context().run, self._fetch, index)
+        return self.futures.get(index)
+
+    def get(self, cat, op):
+        index = op.get("pull")
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < self.count:
+            raise PeerError("content missing (not pulled from the primary)")
+        data = self._load(index)["contents"].get(protocol.item_name(cat, op))
+        if data is None:
+            raise PeerError("the primary did not serve it (changed during the sync?)")
+        return data
+
+    def close(self):
+        for future in self.futures.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)
+
+
+def check_expected(mopts, state_dir, expect, topology, config_keys):
+    """
+    ``(held, inventory)``: whether this peer holds what the primary
+    expects (``expect``: :func:`protocol.expectation`), and its inventory
+    against those digests (what the primary plans from when it does not).
+    """
+    if not isinstance(expect, dict) or not expect:
+        raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
+                                    f"not {expect!r}")
+    validate.categories(list(expect), "expect")
+    if config_keys is not None:
+        validate.config_keys(config_keys)
+    try:
+        digests = protocol.expected_digests(expect)
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
+    inv = inventory(mopts, state_dir, list(expect), digests, topology, config_keys)
+    try:
+        return protocol.holds(expect, inv), inv
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
+
+
+def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
+          pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
+          config_keys=None):
+    """
+    Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
+    chunk, through ``pull(request)``); return the reply without its
+    protocol: per category the failures, ``restart``, ``backup``.  Raise
+    :class:`validate.InvalidInput` for operations it refuses (nothing
+    applied).  ``keys_digest``: the primary's minion key digests, for the
+    history record (:func:`record_history`).
+
+    ``expect`` (a change sync in one round trip): apply only if this peer
+    holds what the primary expects (:func:`check_expected`); else apply
+    nothing and answer ``{"backup": None, "inventory": ...}``.  When it
+    does, the reply carries what the inventory says of the master
+    (``master_running``, ``master_address``, ``restart_pending``).
+    """
+    status = {}
+    if expect is not None:
+        held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
+        if not held:
+            return {"backup": None, "inventory": inv}
+        status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")}
+    app = Applier(mopts, state_dir, unseal)
+    if pull_token:
+        app.puller = Puller(app, pull_token, pull_chunks, pull)
+    try:
+        if app.puller is not None and ops is None:
+            ops = app.puller.ops()
+        ops = validate.ops(ops or {})
+        if topology not in layout.TOPOLOGIES:
+            raise validate.InvalidInput(f"unknown topology {topology!r}")
+        ret = apply_categories(app, ops, topology, fetch)
+    except BaseException:
+        app.batch.abort()  # no temporary file left behind
+        raise
+    finally:
+        if app.puller is not None:
+            app.puller.close()
+    app.commit()
+    if "minion_keys" in ops:
+        update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
+    if isinstance(keys_digest, dict):
+        record_history(mopts, state_dir, keys_digest)
+    daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
+    for cat in ops:
+        ret[cat] = outcome(ret[cat])
+    ret["restart"] = restart() if daemon_changed else None
+    ret["backup"] = app.backup_root if app.backed_up else None
+    try:
+        pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
+        if pruned:
+            log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned), backup_keep)
+    except (backup.BackupError, OSError, TypeError, ValueError) as exc:
+        log.warning("multimaster: old backups not pruned: %s", exc)
+    ret.update(status)
+    return ret
+
+
+# ---------------------------------------------------------------------------
+# Restore
+# ---------------------------------------------------------------------------
+def restore_target(mopts, rel):
+    """Where the backed-up item ``rel`` (``category/...``) goes back, and its mode."""
+    try:
+        cat, fields = protocol.parse_item(rel)
+    except protocol.ProtocolError:
+        raise backup.BackupError(f"{rel}: unknown category") from None
+    if cat == "minion_keys":
+        if fields["state"] not in manifest.KEY_STATES or not manifest.valid_minion_id(fields["id"]):
+            raise backup.BackupError(f"{rel}: not a minion key")
+        return fsutil.safe_join(mopts["pki_dir"], f"{fields['state']}/{fields['id']}"), 0o644
+    if cat in ("file_roots", "pillar_roots"):
+        roots = (mopts.get(cat) or {}).get(fields["env"])
+        if not roots:
+            raise backup.BackupError(f"{rel}: saltenv {fields['env']!r} is not configured here")
+        return (manifest.locate_confined(roots, fields["rel"])
+                or fsutil.safe_join(roots[0], fields["rel"])), None
+    if cat == "master_keys":
+        topology = "signed" if fields["name"].startswith("master_sign.") else "shared"
+        pem, pub = layout.master_key_files(mopts, topology)
+        if fields["name"].endswith(".pem"):
+            return pem, fsutil.PRIVATE_KEY_MODE
+        return pub, 0o644
+    return protocol.dropin_path(mopts), 0o600
+
+
+def restore(mopts, state_dir, backup_name, test, restart):
+    """
+    Put back every file of the backup ``backup_name`` (default: the newest),
+    what is there now backed up first; with ``test``, only list.
+    """
+    base = os.path.join(mopts["cachedir"], "multimaster", "backup")
+    try:
+        source = backup.choose(base, backup_name)
+    except backup.BackupError as exc:
+        return {"result": False, "error": str(exc), "restored": [], "errors": []}
+    ret = {"result": True, "backup_restored": os.path.basename(source), "restored": [],
+           "errors": []}
+    app = None if test else Applier(mopts, state_dir, None)
+    for rel in backup.items(source):
+        try:
+            target, mode = restore_target(mopts, rel)
+            if app is not None:
+                with open(os.path.join(source, rel), "rb") as fh:
+                    data = fh.read()
+                if mode is None:
+                    mode = os.stat(os.path.join(source, rel)).st_mode & 0o7777
+                if rel.startswith("master_keys/"):
+                    fsutil.makedirs(os.path.dirname(target), mode=fsutil.KEY_DIR_MODE)
+                app.write(target, data, mode, rel, None)
+            ret["restored"].append(rel)
+        except (backup.BackupError, fsutil.PathError, PeerError, OSError) as exc:
+            ret["errors"].append(f"{rel}: {exc}")
+    if app is not None:
+        app.commit()
+        ret["backup"] = app.backup_root if app.backed_up else None
+        daemon_files = any(r.split("/", 1)[0] in ("master_keys", "master_config")
+                           for r in ret["restored"])
+        ret["restart"] = restart() if daemon_files else None
+    ret["result"] = not ret["errors"]
+    return ret

@@ -1,0 +1,613 @@
+"""
+The primary's side of a sync, without Salt's loader: reading the primary's
+state, planning each peer (full and targeted syncs alike: a peer never
+plans), deciding how contents travel and attaching them, the pull grants
+(grant, serve, revoke), merging what a peer applied into the report, and
+remembering what each peer was last confirmed to hold (so the common
+change sync is one publish: :func:`expected_inventory`).
+
+The runner (``_runners/multimaster.py``) keeps the Salt-facing parts:
+configuration, the publishes through ``LocalClient``, progress events and
+the exit code.  ``opts`` below is the primary master's configuration.
+"""
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+
+from salt_multimaster import daemon, fsutil, grants, layout, manifest, protocol, replicate, seal
+
+log = logging.getLogger(__name__)
+
+BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
+
+# Contents up to this size ride in the apply publish (sealed where secret);
+# larger ones are pulled by the peer over the request channel (peer_run).
+INLINE_LIMIT = 64 * 1024
+# Past this many file_roots files (or bytes), the peer pulls them in bulk
+# instead of fetching each from the fileserver.
+PULL_MIN_FILES = 100
+PULL_MIN_BYTES = 4 * 1024 * 1024
+PULL_TTL = 600
+# A sealed master key pair in an apply request (a 4096-bit PEM, base64).
+MASTER_KEY_WEIGHT = 4096
+# Backups kept on each peer (the newest; each apply that replaced or removed
+# anything makes one).
+BACKUP_KEEP = 10
+# Past this many ids a targeted key sync is a full minion_keys sync.
+MAX_TARGETED_IDS = 200
+
+
+# ---------------------------------------------------------------------------
+# The primary's state
+# ---------------------------------------------------------------------------
+def saved_state(opts, categories):
+    """
+    The keys snapshot's digests and the saved roots manifests, as the last
+    sync read them: ``({category: digests}, {category: SavedManifest})``.
+    No key or file is looked at.
+    """
+    state_dir = layout.state_dir(opts)
+    digests, saved = {}, {}
+    for cat in categories:
+        if cat == "minion_keys":
+            digest = manifest.KeysSnapshot.saved_digest(opts["pki_dir"], state_dir)
+        elif cat in ("file_roots", "pillar_roots"):
+            saved[cat] = manifest.SavedManifest(state_dir, cat)
+            digest = saved[cat].digest
+        else:
+            continue
+        if digest is not None:
+            digests[cat] = digest
+    return digests, saved
+
+
+def read_primary(opts, categories, topology, config_keys, rescan=False, saved=None):
+    """
+    The primary's manifests, and the contents they describe, on demand.
+    ``saved``: the roots manifests of the last read (:func:`saved_state`),
+    kept as each category's ``previous`` and replaced by this read.
+    """
+    cache_dir = layout.state_dir(opts)
+    saved = saved or {}
+    errors, state = [], {}
+    roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan)
+    if rescan and "file_roots" in categories:
+        # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
+        # a file rewritten behind them is told the old hash and keeps its copy
+        manifest.forget_fileserver_hashes(opts["cachedir"])
+    for cat in categories:
+        if cat == "minion_keys":
+            # no per-key work while no key dir changed
+            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan)
+            errors.extend(snap.errors)
+            state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
+                          "previous": snap.previous_parts(), "damaged": snap.damaged}
+        elif cat in roots:
+            man = roots[cat]
+            errors.extend(roots_errors[cat])
+            parts = manifest.split(cat, man)
+            # digests and the saved manifest describe a peer in step: modes
+            # less the bits a sync never writes (the plan warns of those)
+            digest = manifest.bucket_digests(replicate.safe_parts(parts))
+            last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
+            state[cat] = {"manifest": man, "parts": parts, "digest": digest,
+                          "envs": sorted(opts.get(cat) or {}),
+                          "previous": (last.digest, last.parts) if last.digest else None,
+                          "damaged": manifest.damaged_sources(roots_errors[cat])}
+            last.save(replicate.safe_tree(man), digest)
+        elif cat == "master_keys":
+            pem, pub = layout.master_key_files(opts, topology)
+            state[cat] = {"files": {"pem": pem, "pub": pub},
+                          "manifest": {"pem": manifest.sha256_or_none(pem),
+                                       "pub": manifest.sha256_or_none(pub)}}
+        elif cat == "master_config":
+            state[cat] = {"manifest": {k: opts.get(k) for k in config_keys}}
+    state["errors"] = [str(e) for e in errors]
+    state["damaged"] = damaged_messages(state, categories)
+    return state
+
+
+def read_primary_keys(opts, ids):
+    """
+    The primary's state for a targeted key sync of ``ids``: the
+    ``minion_keys`` entry of :func:`read_primary` over these ids only (a
+    few stat calls per id, no listing of every key).
+    """
+    errors = []
+    keys = manifest.keys_state(opts["pki_dir"], ids, errors=errors)
+    damaged = manifest.damaged_sources(errors)
+    state = {"minion_keys": {"ids": sorted(ids), "manifest": keys, "damaged": damaged},
+             "errors": [str(e) for e in errors]}
+    state["damaged"] = damaged_messages(state, ["minion_keys"])
+    return state
+
+
+def damaged_messages(state, categories):
+    """
+    One line per key or roots file that exists on the primary but cannot be
+    read or used: the peer's copy is kept, and the sync fails for it.
+    """
+    lines = []
+    for cat in categories:
+        for where, names in sorted(((state.get(cat) or {}).get("damaged") or {}).items()):
+            for name in sorted(names):
+                sep = "/" if cat == "minion_keys" else ":"
+                lines.append(f"{cat} {where}{sep}{name}: damaged or unreadable on the primary")
+    return lines
+
+
+def current_digests(primary, categories):
+    """``{category: bucket digests}`` of the primary's bucketed categories."""
+    return {c: primary[c]["digest"] for c in categories if "digest" in (primary.get(c) or {})}
+
+
+# ---------------------------------------------------------------------------
+# Planning
+# ---------------------------------------------------------------------------
+def stale(cat, primary, theirs):
+    """
+    The buckets where the peer differs from the primary now, and among them
+    those the peer did not detail: it holds them as the digests sent to it.
+    """
+    need = manifest.differing(primary[cat]["digest"], theirs.get("digest") or {})
+    detailed = set(theirs.get("buckets") or [])
+    return need, [b for b in need if b not in detailed]
+
+
+def unplannable(categories, primary, inv, sent):
+    """
+    Whether the peer holds, as ``sent``, buckets the primary changed since
+    and whose previous content it lost (or holds otherwise: each bucket is
+    checked against the digest sent).
+    """
+    if not isinstance(inv, dict):
+        return False
+    for cat in categories:
+        theirs = inv.get(cat)
+        if cat not in BUCKETED or not isinstance(theirs, dict):
+            continue
+        _, lost = stale(cat, primary, theirs)
+        if not lost:
+            continue
+        previous = primary[cat].get("previous")
+        if previous is None:
+            return True
+        parts = previous[1]()
+        held = manifest.bucket_digests({b: parts[b] for b in lost if b in parts})
+        if any(held.get(b) != (sent.get(cat) or {}).get(b) for b in lost):
+            return True
+    return False
+
+
+def _parts(entry):
+    return entry["snapshot"].parts if "snapshot" in entry else entry["parts"]
+
+
+def peer_buckets(cat, primary, theirs):
+    """
+    The buckets where the peer differs from the primary now, with the peer's
+    manifest and key history there: as the peer detailed them where it
+    differs from the digests sent to it, else the primary's previous state
+    (which it holds: checked by :func:`unplannable`).
+    """
+    need, lost = stale(cat, primary, theirs)
+    peer_man = manifest.restrict(cat, theirs.get("manifest") or {}, need)
+    history = list(theirs.get("history") or [])
+    if lost:
+        old = manifest.merge(primary[cat]["previous"][1](), lost)
+        for outer, entries in old.items():
+            peer_man.setdefault(outer, {}).update(entries)
+        if cat == "minion_keys":
+            # a peer in step with the primary received every id it holds from it
+            history.extend(mid for entries in old.values() for mid in entries)
+    return need, peer_man, history
+
+
+def plan(topology, categories, primary, inv, force):
+    """
+    ``({category: ops}, {category: report})`` making the peer whose
+    inventory is ``inv`` mirror ``primary`` (:func:`read_primary`, or
+    :func:`read_primary_keys` for a targeted sync).
+    """
+    ops, report = {}, {}
+    for cat in categories:
+        theirs = inv.get(cat) or {}
+        entry = primary[cat]
+        if cat == "minion_keys" and "ids" in entry:
+            # targeted: the peer's keys of these ids, all of them detailed
+            cat_ops, rep = replicate.plan_keys(entry["manifest"], theirs.get("manifest") or {},
+                                               theirs.get("history"), force,
+                                               damaged=entry["damaged"])
+        elif cat in BUCKETED:
+            # only the buckets where the peer differs are compared
+            need, peer_man, history = peer_buckets(cat, primary, theirs)
+            mine = manifest.merge(_parts(entry), need) if need else {}
+            if cat == "minion_keys":
+                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force,
+                                                   damaged=entry.get("damaged"))
+            else:
+                cat_ops, rep = replicate.plan_tree(
+                    mine, peer_man, theirs.get("envs"), primary_envs=entry["manifest"],
+                    damaged=entry.get("damaged"))
+        elif cat == "master_keys":
+            cat_ops, rep = replicate.plan_master_keys(entry["manifest"], theirs, topology)
+        else:
+            cat_ops, rep = replicate.plan_master_config(entry["manifest"], theirs)
+        rep["errors"].extend(theirs.get("errors") or [])
+        ops[cat], report[cat] = cat_ops, rep
+    return ops, report
+
+
+def drift(report, categories):
+    """Counts of what a sync would change, per category."""
+    return {cat: {k: len(report[cat][k]) for k in ("added", "updated", "removed", "conflicts")}
+            for cat in categories}
+
+
+# ---------------------------------------------------------------------------
+# Contents: how they travel, attached, pulled
+# ---------------------------------------------------------------------------
+def peer_pub(opts, peer):
+    """The peer minion's public key, as accepted on this master."""
+    with open(os.path.join(opts["pki_dir"], "minions", peer), encoding="utf-8") as fh:
+        return fh.read()
+
+
+def content_path(opts, cat, fields):
+    """Where the primary holds the content of an item (:func:`protocol.parse_item` fields)."""
+    if cat == "minion_keys":
+        return os.path.join(opts["pki_dir"], fields["state"], fields["id"])
+    return manifest.locate(opts[cat][fields["env"]], fields["rel"])
+
+
+def transport(opts, peer, ops, inline_limit, pull_min_files=None):
+    """
+    How the apply of ``ops`` reaches ``peer``, decided the same way in test
+    mode: ``{"mode": "inline"|"pull"|None, "pull_files": bool, "size": bytes,
+    "error": message or None}``.
+
+    The operations and the contents of minion keys, pillar files and master
+    keys ride the apply publish, sealed to the peer, only up to
+    ``inline_limit`` bytes.  Past it, or past ``pull_min_files`` file_roots
+    files (or 4 MiB of them), the peer pulls them point-to-point through
+    ``peer_run`` (``multimaster.pull``).  A peer that may not pull is refused
+    (``error``, with the ``peer_run`` snippet to add): bulk never rides the
+    publish, which every minion receives.  Otherwise file_roots files come
+    from this master's fileserver, point-to-point too, unless they fit in
+    ``inline_limit`` with the rest (``inline_files``: sealed in the request,
+    one round trip less).
+    """
+    pullable = protocol.pull_allowed(opts.get("peer_run"), peer)
+    files = [op for op in ops.get("file_roots", []) if op["op"] == replicate.WRITE]
+    pull_files = pullable and (
+        len(files) > (PULL_MIN_FILES if pull_min_files is None else pull_min_files)
+        or sum(op.get("size", 0) for op in files) > PULL_MIN_BYTES)
+    size = protocol.payload_size(ops)
+    for cat in ("master_keys", "minion_keys", "pillar_roots"):
+        for op in ops.get(cat, []):
+            if size > inline_limit and pullable:
+                break  # enough to decide (a stat per key of an initial sync: 0.16 s)
+            if op["op"] != replicate.WRITE:
+                continue
+            if cat == "master_keys":
+                size += MASTER_KEY_WEIGHT
+                continue
+            try:
+                # sealed contents travel base64-encoded
+                size += 4 * (op["size"] if "size" in op
+                             else os.path.getsize(content_path(opts, cat, op))) // 3
+            except (OSError, TypeError, KeyError):
+                pass
+    if size <= inline_limit and not pull_files:
+        files_size = sum(4 * op.get("size", inline_limit) // 3 for op in files)
+        return {"mode": "inline", "pull_files": False, "size": size, "error": None,
+                "inline_files": bool(files) and size + files_size <= inline_limit}
+    if pullable:
+        return {"mode": "pull", "pull_files": pull_files, "size": size, "error": None}
+    return {"mode": None, "pull_files": False, "size": size,
+            "error": protocol.refusal(peer, size, inline_limit)}
+
+
+def attach_contents(opts, peer, ops, primary, how):
+    """
+    Fill write operations with their contents, as :func:`transport`
+    decided (``how``).  Private keys and pillar files are sealed to the
+    peer's minion key (inside the sealed request as well); pulled contents
+    are cut in chunks.  Return the chunks the peer pulls, or None.
+    """
+    pub = peer_pub(opts, peer)
+    chunks = None
+    if how["mode"] == "pull":
+        bulk = ("minion_keys", "pillar_roots") + (("file_roots",) if how["pull_files"] else ())
+        chunks = replicate.assign_chunks(
+            [(cat, op) for cat in bulk for op in ops.get(cat, []) if op["op"] == replicate.WRITE])
+    for cat, cat_ops in ops.items():
+        for op in cat_ops:
+            if op["op"] != replicate.WRITE or "pull" in op:
+                continue
+            if cat == "file_roots" and how.get("inline_files"):
+                with open(content_path(opts, cat, op), "rb") as fh:
+                    op["sealed"] = seal.seal(pub, fh.read(), peer, protocol.item_name(cat, op))
+            elif cat in ("minion_keys", "pillar_roots"):
+                with open(content_path(opts, cat, op), "rb") as fh:
+                    data = fh.read()
+                if cat == "minion_keys":
+                    op["data"] = data.decode()
+                else:
+                    op["sealed"] = seal.seal(pub, data, peer, protocol.item_name(cat, op))
+            elif cat == "master_keys":
+                with open(primary[cat]["files"][op["kind"]], "rb") as fh:
+                    data = fh.read()
+                if op["kind"] == "pem":
+                    op["sealed"] = seal.seal(pub, data, peer, protocol.item_name(cat, op))
+                else:
+                    op["data"] = data.decode()
+    return chunks
+
+
+def pull_dir(opts):
+    return os.path.join(opts["cachedir"], "multimaster", "pull")
+
+
+def grant(opts, peer, ops, chunks):
+    """
+    Let ``peer`` pull, for ten minutes, the operations of its sync and the
+    contents cut in ``chunks``; return the token naming the grant.
+    """
+    token = secrets.token_hex(16)
+    fsutil.makedirs(pull_dir(opts), mode=0o700)
+    body = {"peer": peer, "expires": time.time() + PULL_TTL, "ops": ops, "chunks": chunks}
+    fsutil.atomic_write(os.path.join(pull_dir(opts), token), json.dumps(body), mode=0o600)
+    return token
+
+
+def revoke(opts, token, jid_dir):
+    """
+    End a pull grant, and drop from the job cache (local_cache) the sealed
+    chunks its pulls stored there: tens of MiB each, kept ``keep_jobs``
+    hours otherwise.  ``jid_dir(jid)``: a job's directory in the job cache.
+    """
+    if opts.get("master_job_cache", "local_cache") == "local_cache":
+        for jid in grants.jids(pull_dir(opts), token):
+            shutil.rmtree(jid_dir(jid), ignore_errors=True)
+    base = os.path.join(pull_dir(opts), token)
+    for path in (base, f"{base}{grants.JIDS_SUFFIX}"):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def sweep_grants(opts, jid_dir):
+    """Revoke the expired pull grants of syncs that never revoked them (killed)."""
+    for token in grants.expired(pull_dir(opts), ttl=PULL_TTL):
+        log.info("multimaster: revoking the expired pull grant %s", token)
+        try:
+            revoke(opts, token, jid_dir)
+        except OSError as exc:
+            log.warning("multimaster: expired pull grant %s not revoked: %s", token, exc)
+
+
+def serve_pull(opts, request, caller, jid):
+    """
+    The reply to a peer's ``multimaster.pull``: the chunk it asks of its
+    grant, sealed to its minion key, or ``{"error": ...}``.
+    """
+    try:
+        token, index = protocol.open_pull_request(request)
+        with open(os.path.join(pull_dir(opts), token), encoding="utf-8") as fh:
+            body = json.load(fh)
+        items = body["chunks"][index]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return {"error": "unknown or malformed pull request"}
+    if body["peer"] != caller or body["expires"] < time.time():
+        log.warning("multimaster: pull refused for %s", caller)
+        return {"error": f"no pull grant for {caller}"}
+    contents, missing = {}, []
+    for item in items:
+        try:
+            cat, fields = protocol.parse_item(item)
+            with open(content_path(opts, cat, fields), "rb") as fh:
+                contents[item] = fh.read()
+        except (OSError, TypeError, KeyError, protocol.ProtocolError):
+            missing.append(item)
+    if jid:
+        # the sync drops this job's stored return (the sealed chunk) from the
+        # job cache once the peer has applied it
+        with open(os.path.join(pull_dir(opts), f"{token}{grants.JIDS_SUFFIX}"), "a",
+                  encoding="utf-8") as fh:
+            fh.write(f"{jid}\n")
+    return protocol.seal_pull_reply(peer_pub(opts, caller), caller, token, contents, missing,
+                                    ops=body["ops"] if index == 0 else None)
+
+
+# ---------------------------------------------------------------------------
+# What the peer applied
+# ---------------------------------------------------------------------------
+def applied_name(cat, item):
+    """The name the peer gives ``item`` of the report in its ``failed`` list."""
+    return item if cat != "master_config" else protocol.DROPIN_NAME
+
+
+def merge(report, applied):
+    """Take out of the planned lists the items the peer reports as failed."""
+    for cat, rep in applied.items():
+        if cat not in report or not isinstance(rep, dict):
+            continue
+        errors, failed = rep.get("errors"), rep.get("failed")
+        if isinstance(errors, list):
+            report[cat]["errors"].extend(errors)
+        elif errors:
+            report[cat]["errors"].append(f"peer errors not readable: {str(errors)[:200]}")
+        if not isinstance(failed, list):
+            if failed:
+                report[cat]["errors"].append("the peer's list of failed items was trimmed")
+            continue
+        failed = set(failed)
+        for kind in ("added", "updated", "removed"):
+            report[cat][kind] = [
+                item for item in report[cat][kind] if applied_name(cat, item) not in failed
+            ]
+
+
+def unconfirmed(ret, categories):
+    """
+    A peer that did not apply: move what was planned out of the lists of
+    changes (which name only what the peer confirmed) into ``unconfirmed``.
+    """
+    for cat in categories:
+        rep = ret.get(cat)
+        if not isinstance(rep, dict):
+            continue
+        items = [item for kind in ("added", "updated", "removed") for item in rep[kind]]
+        for kind in ("added", "updated", "removed"):
+            rep[kind] = []
+        if items:
+            rep["unconfirmed"] = items
+
+
+def finish(peer, ret, inv, categories):
+    """
+    The outcome of one peer's sync from what its inventory (or conditional
+    apply) said of its master: a restart still required, its master down.
+    """
+    if inv.get("restart_pending") and not ret.get("restart"):
+        # keys or config written by an earlier sync, and the master not restarted since
+        ret["restart"] = "restart_required"
+    if inv.get("master_running") is False:
+        # synced, yet no replica in service: say so, and fail the run
+        ret["error"] = daemon.not_running_error(peer, inv.get("master_address"))
+    return verdict(peer, ret, categories)
+
+
+def verdict(peer, ret, categories):
+    """
+    ``result`` False, and one ``error`` line saying why, whenever the peer is
+    not a replica in service after the run: errors, conflicts left, a
+    restart still required, its master down.
+    """
+    reasons = [ret["error"]] if ret.get("error") else []
+    errors = sum(len(ret[c]["errors"]) for c in categories if isinstance(ret.get(c), dict))
+    conflicts = sum(len(ret[c]["conflicts"]) for c in categories if isinstance(ret.get(c), dict))
+    if errors and not reasons:
+        reasons.append(f"{errors} item(s) failed (see errors)")
+    if conflicts:
+        reasons.append(f"{conflicts} conflict(s) left on {peer} (see conflicts; force=True "
+                       "replaces or removes them)")
+    if ret.get("restart") == "restart_required":
+        reasons.append(f"{peer}'s salt-master must restart to load the new master keys or "
+                       "config (no service manager restarted it): restart it")
+    if reasons:
+        ret["result"] = False
+        ret["error"] = "; ".join(reasons)
+    return ret
+
+
+def damaged_verdict(res, primary):
+    """A peer is no replica of what cannot be read on the primary: fail it, naming why."""
+    if primary["errors"]:
+        res.setdefault("primary_errors", primary["errors"])
+    if primary.get("damaged"):
+        res["result"] = False
+        msg = (f"{len(primary['damaged'])} damaged or unreadable source(s) on the primary, "
+               "their copies on the peer kept: " + "; ".join(primary["damaged"][:5]))
+        res["error"] = f"{msg}; {res['error']}" if res.get("error") else msg
+    return res
+
+
+def peer_errors(opts, peers):
+    """Per-peer input errors: invalid id, or not an accepted minion of the primary."""
+    errors = {}
+    for peer in peers:
+        if not manifest.valid_minion_id(peer):
+            errors[peer] = f"invalid peer id {peer!r}"
+        elif not os.path.isfile(os.path.join(opts["pki_dir"], "minions", peer)):
+            pending = os.path.isfile(os.path.join(opts["pki_dir"], "minions_pre", peer))
+            errors[peer] = (
+                f"peer {peer!r} is not an accepted minion of this master: "
+                + (f"its key is pending, accept it: salt-key -a {peer}" if pending else
+                   "start the peer host's salt-minion with this master in its master list, "
+                   f"then accept its key: salt-key -a {peer}")
+            )
+    return errors
+
+
+# ---------------------------------------------------------------------------
+# What each peer was last confirmed to hold: a change sync in one publish
+# ---------------------------------------------------------------------------
+def _memory_path(opts, peer):
+    return os.path.join(layout.state_dir(opts), "peers", f"{peer}.json")
+
+
+def remembered(opts, peer, categories):
+    """
+    ``{category: inventory entry}`` the peer was last confirmed to hold, for
+    every one of ``categories``; None when one is not known.
+    """
+    try:
+        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
+            held = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(held, dict) or not all(isinstance(held.get(c), dict) for c in categories):
+        return None
+    return {cat: held[cat] for cat in categories}
+
+
+def forget(opts, peer, categories):
+    """Forget what the peer holds of ``categories`` (changed by other means)."""
+    remember(opts, peer, categories, None, None, {})
+
+
+def remember(opts, peer, categories, primary, inv, ret):
+    """
+    After a sync of ``peer``: a category whose report is clean (nothing
+    failed, left in conflict or unconfirmed, nothing damaged on the primary)
+    is held by the peer as the primary holds it now; any other is forgotten.
+    """
+    try:
+        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
+            held = json.load(fh)
+        held = held if isinstance(held, dict) else {}
+    except (OSError, ValueError):
+        held = {}
+    for cat in categories:
+        rep = ret.get(cat)
+        entry = (primary or {}).get(cat) or {}
+        clean = (isinstance(rep, dict) and not rep.get("errors") and not rep.get("conflicts")
+                 and not rep.get("unconfirmed") and ("digest" in entry or "manifest" in entry)
+                 and not entry.get("damaged") and "ids" not in entry)
+        if not clean:
+            held.pop(cat, None)
+        elif cat in BUCKETED:
+            held[cat] = {"digest": entry["digest"]}
+            envs = (inv.get(cat) or {}).get("envs")
+            if envs is not None:
+                held[cat]["envs"] = envs
+        else:
+            held[cat] = dict(entry["manifest"])
+    fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
+    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600)
+
+
+def expected_inventory(held):
+    """
+    The inventory of a peer holding ``held`` (:func:`remembered`) as it
+    answers the digests of ``held``: digests only, nothing detailed.  Plan
+    with it (the buckets the primary changed since are taken from its
+    previous state, checked by :func:`unplannable`).
+    """
+    inv = {}
+    for cat, entry in held.items():
+        if cat in BUCKETED:
+            inv[cat] = {"digest": entry["digest"], "buckets": [], "manifest": {},
+                        "history": [], "errors": []}
+            if "envs" in entry:
+                inv[cat]["envs"] = entry["envs"]
+        else:
+            inv[cat] = dict(entry)
+    return inv
