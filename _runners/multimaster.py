@@ -26,10 +26,12 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 
 import salt.client
 import salt.config
+import salt.loader
 import salt.utils.event
 import salt.utils.extmods
 import salt.utils.jid
@@ -208,10 +210,39 @@ def _validate(conf, only):
     return None
 
 
+def _cli_progress():
+    """
+    Whether ``salt-run`` prints this sync's progress: it runs
+    ``multimaster.sync`` with the compact report (no ``--out``, so
+    ``--out=json``/``yaml`` stay the data alone) and the
+    ``multimaster_progress`` outputter is found (with the repository as a
+    file_roots root it is synced once, as the core is).
+    """
+    if _CLI_PROGRESS["on"] is None:
+        try:
+            on = _compact("multimaster.sync") and __jid_event__ is not None  # pylint: disable=undefined-variable
+        except NameError:
+            on = False
+        if on and "multimaster_progress" not in salt.loader.outputters(__opts__):
+            try:
+                salt.utils.extmods.sync(__opts__, "output")
+            except Exception as exc:  # pylint: disable=broad-except
+                log.debug("multimaster: outputter not synced: %s", exc)
+            on = "multimaster_progress" in salt.loader.outputters(__opts__)
+        _CLI_PROGRESS["on"] = on
+    return _CLI_PROGRESS["on"]
+
+
+_CLI_PROGRESS = {"on": None, "lock": threading.Lock()}
+#: seconds between two progress lines of one peer's job still running
+PROGRESS_EVERY = 5
+
+
 def _progress(message, **data):
     """
-    Fire ``salt/multimaster/sync/progress`` on the master event bus (not the
-    runner's own tag, which ``salt-run`` would print into its output).
+    Fire ``salt/multimaster/sync/progress`` on the master event bus, and when
+    ``salt-run`` prints the compact report, a progress event of this job that
+    it prints as one line (the ``multimaster_progress`` outputter).
     """
     data["message"] = message
     try:
@@ -221,6 +252,13 @@ def _progress(message, **data):
             event.fire_event(data, "salt/multimaster/sync/progress")
     except Exception as exc:  # pylint: disable=broad-except
         log.debug("multimaster: progress event not fired: %s", exc)
+    if _cli_progress():
+        with _CLI_PROGRESS["lock"]:
+            try:
+                __jid_event__.fire_event(  # pylint: disable=undefined-variable
+                    {"message": message, "outputter": "multimaster_progress"}, "progress")
+            except Exception as exc:  # pylint: disable=broad-except
+                log.debug("multimaster: progress not printed: %s", exc)
 
 
 def _client():
@@ -250,7 +288,7 @@ class _Job:
             self.close()
             raise
 
-    def wait(self):
+    def wait(self, on_wait=None):
         """
         ``{peer: return}`` of the peers that returned (``ret`` of Salt's
         full return).  The peers' job is tracked with ``saltutil.find_job``
@@ -262,7 +300,9 @@ class _Job:
         try:
             ret = {}
             if self.pub:
-                deadline = time.monotonic() + self.timeout
+                start = time.monotonic()
+                deadline = start + self.timeout
+                told = start
                 # expect_minions=False: the caller reports missing peers
                 # itself; Salt would otherwise list every accepted key after
                 # the returns (~2 s at 20,000 keys, bench/bench_sync.py)
@@ -276,14 +316,21 @@ class _Job:
                     elif time.monotonic() > deadline:
                         break
                     else:
+                        if on_wait and time.monotonic() - told >= PROGRESS_EVERY:
+                            told = time.monotonic()
+                            on_wait(told - start)
                         time.sleep(0.02)
             return ret
         finally:
             self.close()
 
-    def replies(self):
-        """``{peer: (reply, error)}`` (:func:`protocol.check_reply`) of every peer asked."""
-        rets = self.wait()
+    def replies(self, on_wait=None):
+        """
+        ``{peer: (reply, error)}`` (:func:`protocol.check_reply`) of every peer
+        asked; ``on_wait(seconds)`` is called every :data:`PROGRESS_EVERY`
+        seconds while they work.
+        """
+        rets = self.wait(on_wait)
         return {peer: protocol.check_reply(peer, self.fun, rets.get(peer)) for peer in self.peers}
 
     def close(self):
@@ -304,10 +351,19 @@ def _read_primary(conf, categories, saved=None):
                                   conf["master_config_keys"], conf["rescan"], saved)
 
 
+def _inventory_wait(peers):
+    """The ``on_wait`` of an inventory job: one progress line now and then."""
+    _progress(f"multimaster: asking {', '.join(peers)} for an inventory", phase="inventory")
+    return lambda seconds: _progress(
+        f"multimaster: waiting for the inventory of {', '.join(peers)}, {seconds:.0f} s",
+        phase="inventory")
+
+
 def _ask(peers, conf, categories, digests, test):
     """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
     return _Job(peers, "multimaster_peer.inventory",
-                _inventory_request(conf, categories, digests, test), conf["timeout"]).replies()
+                _inventory_request(conf, categories, digests, test),
+                conf["timeout"]).replies(_inventory_wait(peers))
 
 
 def _inventories(conf, categories, peers, test):
@@ -331,7 +387,7 @@ def _inventories(conf, categories, peers, test):
     try:
         primary = _read_primary(conf, categories, saved)
     finally:
-        invs = job.replies()
+        invs = job.replies(_inventory_wait(peers))
     again = [peer for peer in peers
              if sync_core.unplannable(categories, primary, invs[peer][0], digests)]
     if again:
@@ -360,9 +416,24 @@ def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
         kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
     # a large apply (an initial sync) takes longer than an inventory:
     # allow for 10 operations a second on top of the timeout
-    wait = conf["timeout"] + sum(len(o) for o in ops.values()) // 10
+    total = sum(len(o) for o in ops.values())
+    wait = conf["timeout"] + total // 10
+    _progress(f"multimaster: {peer}: applying {total} change(s)"
+              + (f" ({len(chunks)} pull chunk(s))" if chunks else ""),
+              peer=peer, phase="apply", done=0, total=total)
+
+    def still(seconds):
+        if chunks:
+            served, done = sync_core.pulled(__opts__, token, chunks)
+            _progress(f"multimaster: {peer}: applying, {done}/{total} pulled "
+                      f"({served}/{len(chunks)} chunks), {seconds:.0f} s",
+                      peer=peer, phase="apply", done=done, total=total)
+        else:
+            _progress(f"multimaster: {peer}: applying {total} change(s), {seconds:.0f} s",
+                      peer=peer, phase="apply", total=total)
+
     try:
-        return _Job([peer], "multimaster_peer.apply", kwarg, wait).replies()[peer]
+        return _Job([peer], "multimaster_peer.apply", kwarg, wait).replies(still)[peer]
     finally:
         if token:
             sync_core.revoke(__opts__, token, _jid_dir)
@@ -477,7 +548,7 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
             request = protocol.request("multimaster_peer.inventory", categories=categories,
                                        minion_ids=ids, test=test)
             invs = _Job(peers, "multimaster_peer.inventory", request,
-                        conf["timeout"]).replies()
+                        conf["timeout"]).replies(_inventory_wait(peers))
         elif any(held.values()):
             # what a peer holds is known: read here first, then one publish each
             primary = _read_primary(conf, categories)
@@ -607,6 +678,7 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         salt-run multimaster.sync rescan=True
         salt-run multimaster.sync --out=json
     """
+    _CLI_PROGRESS["on"] = None  # decided afresh for each call (the reactor's process lives on)
     with _job_record("multimaster.sync", __opts__.get("id"),
                      jobs.args(peers=peers, only=only, test=test or None, force=force or None,
                                minion_ids=minion_ids, **kwargs)):

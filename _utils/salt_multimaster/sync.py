@@ -392,6 +392,12 @@ def sweep_grants(opts, jid_dir):
             log.warning("multimaster: expired pull grant %s not revoked: %s", token, exc)
 
 
+def pulled(opts, token, chunks):
+    """``(chunks served, items in them)`` of the grant ``token`` so far."""
+    served = min(len(grants.jids(pull_dir(opts), token)), len(chunks))
+    return served, sum(len(chunk) for chunk in chunks[:served])
+
+
 def serve_pull(opts, request, caller, jid):
     """
     The reply to a peer's ``multimaster.pull``: the chunk it asks of its

@@ -1,0 +1,79 @@
+"""
+A long sync shows its progress on the terminal the way Salt runners do
+(progress events of the job, one line each), while ``--out=json`` stays one
+JSON document holding the data alone.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import salt.utils.yaml
+
+pytestmark = pytest.mark.daemons
+
+FILES = 600
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_factory):
+    cluster = cluster_factory(
+        "prg", peers=1, minions=0,
+        primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
+    )
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    cluster.start()
+    assert cluster.wait_ping(cluster.primary, cluster.peer_minions[0].id)
+    yield cluster
+    cluster.stop()
+
+
+def _salt_run(cluster, *args):
+    """salt-run as an operator types it (salt-factories would add --out=json)."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "salt-run"),
+           "-c", str(pathlib.Path(cluster.primary.config_file).parent), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+def _write_files(cluster, tag):
+    base = cluster.file_root(cluster.primary) / "progress"
+    for i in range(FILES):
+        (base / f"d{i % 10}").mkdir(parents=True, exist_ok=True)
+        (base / f"d{i % 10}" / f"f{i}.txt").write_text(f"{tag} {i}\n")
+
+
+def test_default_output_shows_progress_then_the_summary(cluster):
+    peer = cluster.peer_minions[0].id
+    _write_files(cluster, "one")
+    ret = _salt_run(cluster, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret.stdout + ret.stderr
+    lines = ret.stdout.splitlines()
+    assert "multimaster: reading the primary's state for file_roots" in lines, ret.stdout
+    assert f"multimaster: asking {peer} for an inventory" in lines, ret.stdout
+    applying = [n for n, line in enumerate(lines)
+                if line.startswith(f"multimaster: {peer}: applying {FILES} change(s) (")
+                and line.endswith("pull chunk(s))")]
+    assert applying, ret.stdout
+    done = lines.index(f"multimaster: {peer}: ok")
+    summary = [n for n, line in enumerate(lines) if line.startswith("summary: 1 peer(s)")]
+    assert applying[0] < done < summary[0], ret.stdout
+    # progress is a line each, never Salt's nested event blobs
+    assert not any(line.strip() in ("suffix:", "event:", "progress") for line in lines), \
+        ret.stdout
+
+
+def test_json_output_is_the_data_alone(cluster):
+    peer = cluster.peer_minions[0].id
+    _write_files(cluster, "two")
+    ret = _salt_run(cluster, "multimaster.sync", "only=file_roots", "--out=json")
+    assert ret.returncode == 0, ret.stdout + ret.stderr
+    data = json.loads(ret.stdout)  # one document: no progress events in it
+    assert data[peer]["result"] is True
+    assert len(data[peer]["file_roots"]["updated"]) == FILES
+    assert "multimaster:" not in ret.stdout
