@@ -1535,21 +1535,44 @@ def _rot_invalid(message):
     return {"result": False, "error": message, "retcode": 1}
 
 
+def _rot_job(tgt, tgt_type, fun, kwarg, timeout):
+    """
+    ``{id: return}`` of ``fun`` on the targeted minions, within ``timeout``
+    seconds whatever happens: a minion that lost its return (reconnecting to
+    a restarted master) is not waited for beyond it.
+    """
+    import salt.client  # pylint: disable=import-outside-toplevel
+
+    client = salt.client.LocalClient(mopts=__opts__)
+    ret = {}
+    try:
+        pub = client.run_job(tgt, fun, kwarg=kwarg, tgt_type=tgt_type, timeout=timeout,
+                             listen=True)
+        if not pub or not pub.get("minions"):
+            return ret
+        deadline = time.monotonic() + timeout
+        for got in client.get_iter_returns(pub["jid"], set(pub["minions"]), timeout=2,
+                                           tgt=tgt, tgt_type=tgt_type, expect_minions=False,
+                                           block=False, gather_job_timeout=3):
+            for mid, data in (got or {}).items():
+                if isinstance(data, dict) and "ret" in data:
+                    ret[mid] = data["ret"]
+            if set(ret) >= set(pub["minions"]) or time.monotonic() > deadline:
+                break
+            if not got:
+                time.sleep(0.05)
+    finally:
+        client.destroy()
+    return ret
+
+
 def _rot_call(peer, fun, kwarg, timeout):
     """One peer's return of ``fun`` (its arguments sealed to it), or None."""
-    # pylint: disable=import-outside-toplevel
-    import salt.client
-    from salt_multimaster import protocol
+    from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
 
     with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
         sealed = protocol.sealed_kwarg({peer: fh.read()}, fun, kwarg)
-    client = salt.client.LocalClient(mopts=__opts__)
-    try:
-        got = client.cmd(peer, fun, kwarg=sealed, tgt_type="list", timeout=timeout,
-                         full_return=True) or {}
-    finally:
-        client.destroy()
-    got = (got.get(peer) or {}).get("ret")
+    got = _rot_job([peer], "list", fun, sealed, timeout).get(peer)
     if protocol.reply_error(got):
         return {"result": False, "error": protocol.reply_error(got)}
     return got
@@ -1557,23 +1580,14 @@ def _rot_call(peer, fun, kwarg, timeout):
 
 def _rot_minions(tgt, tgt_type, fun, kwarg, timeout, only=None):
     """``(expected ids, {id: return})`` of ``fun`` on the targeted minions."""
-    # pylint: disable=import-outside-toplevel
-    import salt.client
-    import salt.utils.minions
+    import salt.utils.minions  # pylint: disable=import-outside-toplevel
 
     if only is not None:
         tgt, tgt_type, expected = list(only), "list", list(only)
     else:
         expected = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
         expected = expected.get("minions", []) if isinstance(expected, dict) else []
-    client = salt.client.LocalClient(mopts=__opts__)
-    try:
-        got = client.cmd(tgt, fun, kwarg=kwarg, tgt_type=tgt_type, timeout=timeout,
-                         full_return=True) if expected else {}
-    finally:
-        client.destroy()
-    return expected, {mid: (r or {}).get("ret") for mid, r in (got or {}).items()
-                      if isinstance(r, dict)}
+    return expected, (_rot_job(tgt, tgt_type, fun, kwarg, timeout) if expected else {})
 
 
 def _rot_peer(peer, step, ctx):
