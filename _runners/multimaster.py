@@ -1694,7 +1694,7 @@ def _rot_restart_primary(ctx):
 
 def _rot_primary(step, ctx):
     """Rotate the primary itself (last): new key, restart, wait.  Error or None."""
-    from salt_multimaster import rotation  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import layout, rotation  # pylint: disable=import-outside-toplevel
 
     restart = None
     if step["state"] == rotation.PENDING:
@@ -1709,6 +1709,8 @@ def _rot_primary(step, ctx):
         step.update(state=rotation.WRITTEN, old=done["old"], new=done["new"],
                     backup=done["backup"])
         ctx["save"]()
+        if ctx["topology"] == "shared":
+            rotation.drop_stage(layout.state_dir(__opts__))
         restart = _rot_restart_primary(ctx)
     return _rot_wait(ctx["primary"], step, ctx, restart)
 
@@ -1752,6 +1754,16 @@ def _rot_verify(ctx, record):
 
 def _rot_checks(conf_peers, topology, fresh_start):
     """Errors that stop a rotation before it changes anything: peers down, keys not in step."""
+    for _ in range(3):
+        errors = _rot_status_errors(conf_peers, topology, fresh_start)
+        if not errors:
+            break
+        # a peer's minion reconnecting to a master restarted a moment ago
+        time.sleep(5)
+    return errors
+
+
+def _rot_status_errors(conf_peers, topology, fresh_start):
     st = status(peers=",".join(conf_peers), topology=topology, replicate="master_keys")
     if not isinstance(st, dict):
         return [f"multimaster.status failed: {st}"]
@@ -1881,8 +1893,13 @@ def _rot_run(ret, record, ctx, state_dir, finger):
 
     ctx["save"]()
     if ctx["topology"] == "shared":
-        ctx["priv"], ctx["pub"] = rotation.stage_keypair(
-            state_dir, __opts__.get("keysize") or rotation.DEFAULT_KEYSIZE)
+        if record["state"][ctx["primary"]]["state"] == rotation.PENDING:
+            ctx["priv"], ctx["pub"] = rotation.stage_keypair(
+                state_dir, __opts__.get("keysize") or rotation.DEFAULT_KEYSIZE)
+        else:
+            # installed here: the staged copy is gone, the key files hold it
+            with open(rotation.own_key_files(__opts__)[1], "rb") as fh:
+                ctx["priv"], ctx["pub"] = None, fh.read()
         ctx["new_finger"] = finger.master_finger(ctx["pub"].decode(),
                                                  __opts__.get("hash_type", "sha256"))
         ctx["expect_finger"] = ctx["new_finger"]
@@ -1922,8 +1939,6 @@ def _rot_run(ret, record, ctx, state_dir, finger):
     else:
         record["done"] = True
         ctx["save"]()
-        if ctx["topology"] == "shared":
-            rotation.drop_stage(state_dir)
     if ctx["topology"] == "shared":
         ret["next"] = (f"set pillar multimaster:master_finger to {ctx['new_finger']} (and "
                        "multimaster:master_pub, if used, to the new master.pub) before the "

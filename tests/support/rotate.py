@@ -41,6 +41,13 @@ class RestartWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def enable(self, master):
+        """Restart ``master`` on the next request (a request made while disabled is dropped)."""
+        for one, owner in self.pairs:
+            if one is master:
+                self.seen[id(master)] = self._stamp(owner)
+        self.enabled.add(id(master))
+
     @staticmethod
     def _stamp(owner):
         try:
