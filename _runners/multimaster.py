@@ -1844,6 +1844,7 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
     try:
         test = validate.boolean("test", test)
         fresh = validate.boolean("fresh", fresh)
+        validate.peers(conf_peers, rotation.as_list(conf.get("peers")))
         waits = {k: validate.timeout(k, v, maximum=3600) for k, v in
                  (("restart_wait", restart_wait), ("verify_wait", verify_wait),
                   ("timeout", timeout))}

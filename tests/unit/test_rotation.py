@@ -166,3 +166,41 @@ def test_as_list():
     assert rotation.as_list("a, b,,c") == ["a", "b", "c"]
     assert rotation.as_list(["a"]) == ["a"]
     assert rotation.as_list(None) == []
+
+
+# ----- the runner's rotate_key refuses bad input before anything is sent --------
+def _runner(tmp_path):
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
+
+    spec = importlib.util.spec_from_file_location("mm_runner_rotate",
+                                                  REPO / "_runners" / "multimaster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "pki").mkdir()
+    mod.__opts__ = {"id": "m1", "pki_dir": str(tmp_path / "pki"), "cachedir": str(tmp_path / "c"),
+                    "multimaster": {"peers": ["m2"], "topology": "shared"}}
+    mod.__context__ = {}
+
+    def nothing_sent(*args, **kwargs):
+        raise AssertionError(f"sent with bad input: {args} {kwargs}")
+
+    mod.status = mod._rot_job = nothing_sent
+    return mod
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    ({"topology": "ring"}, "unknown topology 'ring' (known: shared, signed)"),
+    ({"topology": "signed"}, "needs master_sign_pubkey: True"),
+    ({"test": "sure"}, "test must be a boolean"),
+    ({"peers": "m9"}, "'m9' not in multimaster:peers"),
+    ({"restart_wait": 0}, "restart_wait must be more than 0 seconds"),
+    ({"restart_cmd": ["systemctl"]}, "restart_cmd must be a command"),
+])
+def test_rotate_key_refuses_bad_input(tmp_path, kwargs, error):
+    runner = _runner(tmp_path)
+    ret = runner.rotate_key(**kwargs)
+    assert ret["result"] is False and ret["retcode"] == 1, ret
+    assert error in ret["error"]
+    assert not (tmp_path / "c" / "multimaster" / rotation.RECORD_NAME).exists()
