@@ -1835,7 +1835,7 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
         salt-run multimaster.rotate_key topology=signed --out=json
     """
     # pylint: disable=import-outside-toplevel
-    from salt_multimaster import finger, layout, lock, rotation, validate
+    from salt_multimaster import layout, lock, rotation, validate
 
     conf = __opts__.get("multimaster") if isinstance(__opts__.get("multimaster"), dict) else {}
     topology = topology or conf.get("topology") or "shared"
@@ -1881,16 +1881,18 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
     except lock.Busy as exc:
         return _rot_invalid(f"multimaster.rotate_key: {exc}")
     try:
+        if fresh:
+            rotation.drop_stage(state_dir)  # a new rotation, a new key
         return _rot_run(ret, record, dict(
             waits, topology=topology, primary=primary, restart_cmd=restart_cmd, tgt=tgt,
             tgt_type=tgt_type, save=lambda: rotation.save_record(state_dir, record)),
-            state_dir, finger)
+            state_dir)
     finally:
         held.release()
 
 
-def _rot_run(ret, record, ctx, state_dir, finger):
-    from salt_multimaster import layout, rotation  # pylint: disable=import-outside-toplevel
+def _rot_run(ret, record, ctx, state_dir):
+    from salt_multimaster import finger, layout, rotation  # pylint: disable=import-outside-toplevel
 
     ctx["save"]()
     if ctx["topology"] == "shared":

@@ -230,3 +230,30 @@ def test_shared_rotation_with_a_stopped_minion(shared):
     assert ret.data["resumed"] is True and ret.data["minions"]["unconfirmed"] == {}
     state = pathlib.Path(primary.config["cachedir"]) / "multimaster"
     assert not (state / "rotation-staged").exists()
+
+
+def test_shared_rotation_interrupted_after_the_first_master_converges(shared):
+    primary, peer = shared.primary, shared.peers[0]
+    old = _pub(primary)
+    with _watcher(shared) as watcher:
+        watcher.enabled.discard(id(primary))
+        ret = _rotate(shared, "restart_wait=15")
+        assert ret.returncode != 0, ret.stdout
+        steps = ret.data["steps"]
+        assert steps[shared.peer_minions[0].id]["state"] == "serving"
+        assert steps["minions"]["state"] == "serving"
+        assert steps[primary.config["id"]]["state"] == "written"
+        new = _pub(peer)
+        assert new != old and _pub(primary) == new
+        # each minion trusts the new key, served by the peer; the primary
+        # still serves the old one over the minions' live sessions
+        for minion in shared.minions:
+            assert _trusted(minion).strip() == new.strip()
+            assert shared.wait_ping(peer, minion.id)
+        watcher.enable(primary)
+        ret = _rotate(shared)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True
+    assert watcher.restarts == [peer.id, primary.id]
+    assert _pub(primary) == new
+    assert sorted(ret.data["minions"]["confirmed"]) == sorted(m.id for m in shared.all_minions)
