@@ -1671,8 +1671,23 @@ def _rot_wait(name, step, ctx, restart):
             step["state"] = rotation.SERVING
             step.pop("restart", None)
             ctx["save"]()
+            if is_primary:
+                _rot_reconnect_events()
             return None
     return rotation.restart_remedy(name, f"after {ctx['restart_wait']} s: {detail}")
+
+
+def _rot_reconnect_events():
+    """
+    This master restarted under the running salt-run: its job's connection
+    to the master event bus is gone (Salt 3006 dies firing the job's return
+    on it, StreamClosedError).  Drop it: the next event connects again.
+    """
+    jid_event = globals().get("__jid_event__")
+    try:
+        jid_event.event.close_pull()
+    except Exception as exc:  # pylint: disable=broad-except
+        log.debug("multimaster: event connection not reset: %s", exc)
 
 
 def _rot_primary_serving(step):

@@ -54,8 +54,10 @@ def _pub(master):
 
 
 def _rotate(cluster, *args, timeout=600):
-    return cluster.salt_run(cluster.primary, "multimaster.rotate_key", "--out=json", *args,
-                            timeout=timeout)
+    ret = cluster.salt_run(cluster.primary, "multimaster.rotate_key", "--out=json", *args,
+                           timeout=timeout)
+    assert isinstance(ret.data, dict), (ret.returncode, ret.stdout, ret.stderr)
+    return ret
 
 
 def _all_daemons(cluster):
