@@ -64,6 +64,31 @@ def _all_daemons(cluster):
     return [*cluster.masters, *cluster.all_minions]
 
 
+def _dry_run(cluster, steps):
+    """test=True shows ``steps`` and writes nothing: pki dirs, record, staged key, marker."""
+    before = pki_snapshot(*_all_daemons(cluster))
+    ret = _rotate(cluster, "test=True")
+    assert ret.returncode == 0, ret.stdout
+    assert [s["step"] for s in ret.data["plan"]] == steps, ret.data
+    assert pki_snapshot(*_all_daemons(cluster)) == before
+    state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
+    for name in ("rotation.json", "rotation-staged"):
+        assert not (state / name).exists()
+    assert not marker_of(cluster.primary).exists()
+
+
+def _rotate_without_primary_restart(cluster, watcher):
+    """A rotation whose primary restart never happens (its service manager fails)."""
+    watcher.enabled.discard(id(cluster.primary))
+    ret = _rotate(cluster, "restart_wait=15")
+    assert ret.returncode != 0, ret.stdout
+    assert "run salt-run multimaster.rotate_key again" in ret.data["error"]
+    steps = ret.data["steps"]
+    assert steps[cluster.peer_minions[0].id]["state"] == "serving"
+    assert steps[cluster.primary.config["id"]]["state"] == "written"
+    return steps
+
+
 def _check_backup(master, old_pub):
     """The old keypair is in the master's backup: 0400 key, 0700 dirs."""
     base = pathlib.Path(master.config["cachedir"]) / "multimaster" / "backup"
@@ -91,15 +116,7 @@ def signed(cluster_factory):
 
 
 def test_signed_dry_run_writes_nothing(signed):
-    before = pki_snapshot(*_all_daemons(signed))
-    ret = _rotate(signed, "test=True")
-    assert ret.returncode == 0, ret.stdout
-    steps = [s["step"] for s in ret.data["plan"]]
-    assert steps == [signed.peer_minions[0].id, signed.primary.config["id"], "verify"], ret.data
-    assert pki_snapshot(*_all_daemons(signed)) == before
-    state = pathlib.Path(signed.primary.config["cachedir"]) / "multimaster"
-    assert not (state / "rotation.json").exists()
-    assert not marker_of(signed.primary).exists()
+    _dry_run(signed, [signed.peer_minions[0].id, signed.primary.config["id"], "verify"])
 
 
 def test_signed_rotation_with_a_stopped_minion(signed):
@@ -143,14 +160,7 @@ def test_signed_rotation_interrupted_after_the_first_master_converges(signed):
     primary, peer = signed.primary, signed.peers[0]
     old = {m.id: _pub(m) for m in signed.masters}
     with _watcher(signed) as watcher:
-        # the primary's restart never happens (its service manager fails)
-        watcher.enabled.discard(id(primary))
-        ret = _rotate(signed, "restart_wait=15")
-        assert ret.returncode != 0, ret.stdout
-        steps = ret.data["steps"]
-        assert steps[signed.peer_minions[0].id]["state"] == "serving"
-        assert steps[primary.config["id"]]["state"] == "written"
-        assert "run salt-run multimaster.rotate_key again" in ret.data["error"]
+        _rotate_without_primary_restart(signed, watcher)
         assert _pub(peer) != old[peer.id]
         # the minions still answer: the peer with its new key, the primary with its old
         for minion in signed.minions:
@@ -182,16 +192,8 @@ def _trusted(minion):
 
 
 def test_shared_dry_run_writes_nothing(shared):
-    before = pki_snapshot(*_all_daemons(shared))
-    ret = _rotate(shared, "test=True")
-    assert ret.returncode == 0, ret.stdout
-    steps = [s["step"] for s in ret.data["plan"]]
-    assert steps == [shared.peer_minions[0].id, "minions", shared.primary.config["id"],
-                     "verify"], ret.data
-    assert pki_snapshot(*_all_daemons(shared)) == before
-    state = pathlib.Path(shared.primary.config["cachedir"]) / "multimaster"
-    assert not (state / "rotation.json").exists()
-    assert not (state / "rotation-staged").exists()
+    _dry_run(shared, [shared.peer_minions[0].id, "minions", shared.primary.config["id"],
+                      "verify"])
 
 
 def test_shared_rotation_with_a_stopped_minion(shared):
@@ -238,13 +240,8 @@ def test_shared_rotation_interrupted_after_the_first_master_converges(shared):
     primary, peer = shared.primary, shared.peers[0]
     old = _pub(primary)
     with _watcher(shared) as watcher:
-        watcher.enabled.discard(id(primary))
-        ret = _rotate(shared, "restart_wait=15")
-        assert ret.returncode != 0, ret.stdout
-        steps = ret.data["steps"]
-        assert steps[shared.peer_minions[0].id]["state"] == "serving"
+        steps = _rotate_without_primary_restart(shared, watcher)
         assert steps["minions"]["state"] == "serving"
-        assert steps[primary.config["id"]]["state"] == "written"
         new = _pub(peer)
         assert new != old and _pub(primary) == new
         # each minion trusts the new key, served by the peer; the primary
