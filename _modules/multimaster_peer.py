@@ -26,8 +26,8 @@ import salt.fileclient
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import (daemon, fsutil, layout, membership, peer, protocol, replicate,
-                                  restart, seal, validate)
+    from salt_multimaster import (backup, daemon, fsutil, layout, membership, peer, protocol,
+                                  replicate, restart, rotation, seal, validate)
 
     HAS_CORE = True
 except ImportError:
@@ -194,19 +194,22 @@ def _pull(request):
         raise peer.PeerError(f"pull from the primary failed: {exc}") from exc
 
 
-def _restart_master():
+def _restart_master(cmd=None):
     """
     Restart the local salt-master in the background with the one restart
-    helper (:mod:`salt_multimaster.restart`) when its service manager knows
-    it; otherwise say a restart is required.
+    helper (:mod:`salt_multimaster.restart`): with ``cmd`` (a rotation's
+    ``restart_cmd``), else through the service manager when it knows the
+    salt-master; otherwise say a restart is required.
     """
     # the running master keeps the old keys/config until it restarts: the
     # next inventory says so (restart_pending) until then
     fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
                         f"{time.time()}\n", mode=0o600)
-    cmd = restart.default_cmd("salt-master")
-    available = ("service.available" in __salt__
-                 and bool(__salt__["service.available"]("salt-master")))
+    available = None
+    if not cmd:
+        cmd = restart.default_cmd("salt-master")
+        available = ("service.available" in __salt__
+                     and bool(__salt__["service.available"]("salt-master")))
     if restart.impossible(cmd, "salt-master", service_available=available) is None:
         restart.schedule(__opts__, restart.salt_run_bg(__salt__), cmd, delay=1,
                          service="salt-master")
@@ -298,3 +301,89 @@ def host_check(topology="shared"):
         return _refused("multimaster_peer.host_check",
                         f"unknown topology {topology!r} (known: {', '.join(layout.TOPOLOGIES)})")
     return membership.host_report(_master_opts(), __grains__, topology)
+
+
+# ---------------------------------------------------------------------------
+# Master key rotation (salt-run multimaster.rotate_key): the peer's step.
+# Everything below this line belongs to the rotation; the logic lives in
+# salt_multimaster.rotation.
+# ---------------------------------------------------------------------------
+def rotate_key(topology="signed", keypair=None, restart_only=False, restart_cmd=None,
+               test=False, backup_keep=10, sealed=None):
+    """
+    Give this peer's salt-master a new master keypair and restart it: the
+    peer's step of ``salt-run multimaster.rotate_key``.  The old keypair is
+    kept in ``<master cachedir>/multimaster/backup/<timestamp>/master_keys/``
+    (0400 in 0700 dirs; ``multimaster.restore`` puts it back).
+
+    topology
+        ``signed``: the keypair is generated here (the private key never
+        leaves this host); the master signs it with master_sign.pem.
+        ``shared``: the primary's new shared keypair, in ``keypair``.
+    keypair
+        ``{"sealed": <private key sealed to this minion>, "pub": <PEM>}``
+        (topology shared, inside the sealed request).
+    restart_only
+        Write nothing; restart the master (a re-run after a restart that did
+        not happen).
+    restart_cmd
+        The command restarting the salt-master (default: systemd where it
+        runs it, else the restart is reported ``restart_required``).
+    test
+        Change nothing; say what would happen.
+
+    Returns ``{"result", "old", "new", "backup", "restart"}``; no key
+    material, only fingerprints.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.rotate_key test=True
+    """
+    args = _request("rotate_key", sealed, {
+        "topology": topology, "keypair": keypair, "restart_only": restart_only,
+        "restart_cmd": restart_cmd, "test": test, "backup_keep": backup_keep})
+    ret = _rotate_key(**args)
+    ret["protocol"] = protocol.PROTOCOL
+    return ret
+
+
+def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep):
+    mopts = _master_opts()
+    reason = rotation.unsupported(mopts, topology)
+    if reason:
+        return _refused("multimaster_peer.rotate_key", reason)
+    if restart_cmd is not None and (not isinstance(restart_cmd, str) or not restart_cmd.strip()):
+        return _refused("multimaster_peer.rotate_key",
+                        f"restart_cmd must be a command string, not {restart_cmd!r}")
+    ret = {"result": True, "old": rotation.current_finger(mopts), "new": None, "backup": None,
+           "restart": None}
+    if test:
+        ret["restart"] = "would restart"
+        return ret
+    if not restart_only:
+        try:
+            if topology == "shared":
+                if not isinstance(keypair, dict) or not keypair.get("sealed"):
+                    raise rotation.RotationError("topology shared: no sealed keypair in the request")
+                with open(os.path.join(__opts__["pki_dir"], "minion.pem"), "rb") as fh:
+                    priv = seal.unseal(fh.read(), keypair["sealed"], __opts__["id"],
+                                       "rotate_key/master.pem")
+                pub = str(keypair.get("pub") or "").encode()
+            else:
+                priv, pub = rotation.gen_keypair(mopts.get("keysize") or rotation.DEFAULT_KEYSIZE)
+            done = rotation.install(mopts, priv, pub, rotation.backup_root(mopts))
+        except (rotation.RotationError, seal.SealError, OSError, fsutil.PathError) as exc:
+            return _refused("multimaster_peer.rotate_key", exc)
+        ret.update(old=done["old"], new=done["new"], backup=done["backup"])
+        try:
+            rotation.prune_backups(mopts, backup_keep)
+        except (backup.BackupError, OSError, TypeError, ValueError) as exc:
+            log.warning("multimaster: old backups not pruned: %s", exc)
+    else:
+        ret["new"] = ret["old"]
+    ret["restart"] = _restart_master(restart_cmd)
+    log.info("multimaster: master key rotated (%s -> %s), restart: %s",
+             ret["old"], ret["new"], ret["restart"])
+    return ret

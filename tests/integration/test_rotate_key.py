@@ -1,0 +1,258 @@
+"""
+``salt-run multimaster.rotate_key`` on real daemons, in both topologies: a
+dry run writes nothing; a rotation with one minion stopped lists it by id
+with its remedy, and a re-run after the remedy confirms it; a rotation
+interrupted after the first master (its restart never happens) converges
+when run again.  Masters restart through a stand-in for the service
+manager (tests/support/rotate.py).
+"""
+
+import pathlib
+import shutil
+import stat
+
+import pytest
+
+from tests.support.cluster import master_key_paths
+from tests.support.rotate import (RestartWatcher, files_holding, key_body_lines, marker_of,
+                                  pki_snapshot)
+
+pytestmark = pytest.mark.daemons
+
+
+def _config(cluster, topology):
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(
+        f"multimaster:\n  peers: [{cluster.peer_minions[0].id}]\n  topology: {topology}\n"
+        "  master_restart_cmd: 'true'\n")
+
+
+def _share_sign_pair(cluster):
+    """Every master and minion holds the primary's master_sign pair (pub only on minions)."""
+    src = cluster.pki_dir(cluster.primary)
+    for peer in cluster.peers:
+        for name in ("master_sign.pem", "master_sign.pub"):
+            dest = cluster.pki_dir(peer) / name
+            dest.unlink(missing_ok=True)
+            shutil.copyfile(src / name, dest)
+        (cluster.pki_dir(peer) / "master_sign.pem").chmod(0o400)
+        cluster.restart(peer)
+    for minion in cluster.all_minions:
+        pki = pathlib.Path(minion.config["pki_dir"])
+        pki.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / "master_sign.pub", pki / "master_sign.pub")
+
+
+def _watcher(cluster):
+    return RestartWatcher([(cluster.primary, cluster.primary),
+                           *zip(cluster.peers, cluster.peer_minions)])
+
+
+def _pub(master):
+    return master_key_paths(master.config["pki_dir"])[1].read_bytes()
+
+
+def _rotate(cluster, *args, timeout=600):
+    ret = cluster.salt_run(cluster.primary, "multimaster.rotate_key", "--out=json", *args,
+                           timeout=timeout)
+    assert isinstance(ret.data, dict), (ret.returncode, ret.stdout, ret.stderr)
+    return ret
+
+
+def _all_daemons(cluster):
+    return [*cluster.masters, *cluster.all_minions]
+
+
+def _dry_run(cluster, steps):
+    """test=True shows ``steps`` and writes nothing: pki dirs, record, staged key, marker."""
+    before = pki_snapshot(*_all_daemons(cluster))
+    ret = _rotate(cluster, "test=True")
+    assert ret.returncode == 0, ret.stdout
+    assert [s["step"] for s in ret.data["plan"]] == steps, ret.data
+    assert pki_snapshot(*_all_daemons(cluster)) == before
+    state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
+    for name in ("rotation.json", "rotation-staged"):
+        assert not (state / name).exists()
+    assert not marker_of(cluster.primary).exists()
+
+
+def _rotate_without_primary_restart(cluster, watcher):
+    """A rotation whose primary restart never happens (its service manager fails)."""
+    watcher.enabled.discard(id(cluster.primary))
+    ret = _rotate(cluster, "restart_wait=15")
+    assert ret.returncode != 0, ret.stdout
+    assert "run salt-run multimaster.rotate_key again" in ret.data["error"]
+    steps = ret.data["steps"]
+    assert steps[cluster.peer_minions[0].id]["state"] == "serving"
+    assert steps[cluster.primary.config["id"]]["state"] == "written"
+    return steps
+
+
+def _check_backup(master, old_pub):
+    """The old keypair is in the master's backup: 0400 key, 0700 dirs."""
+    base = pathlib.Path(master.config["cachedir"]) / "multimaster" / "backup"
+    found = [p for p in base.glob("*/master_keys/master.pub") if p.read_bytes() == old_pub]
+    assert found, f"old key of {master.id} not in {base}"
+    pem = found[0].with_name("master.pem")
+    assert stat.S_IMODE(pem.stat().st_mode) == 0o400
+    assert stat.S_IMODE(pem.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(pem.parent.parent.stat().st_mode) == 0o700
+
+
+@pytest.fixture(scope="module")
+def signed(cluster_factory):
+    cluster = cluster_factory(
+        "rks", peers=1, minions=2, share_master_keys=False,
+        master_overrides={"master_sign_pubkey": True},
+        minion_overrides={"verify_master_pubkey_sign": True},
+    )
+    _config(cluster, "signed")
+    cluster.start(before_minions=_share_sign_pair)
+    for minion in cluster.minions:
+        assert cluster.wait_ping(cluster.primary, minion.id)
+    yield cluster
+    cluster.stop()
+
+
+def test_signed_dry_run_writes_nothing(signed):
+    _dry_run(signed, [signed.peer_minions[0].id, signed.primary.config["id"], "verify"])
+
+
+def test_signed_rotation_with_a_stopped_minion(signed):
+    primary, peer = signed.primary, signed.peers[0]
+    stopped, running = signed.minions[1], signed.minions[0]
+    old = {m.id: _pub(m) for m in signed.masters}
+    stopped.terminate()
+    try:
+        with _watcher(signed) as watcher:
+            ret = _rotate(signed, "verify_wait=15")
+        assert ret.returncode != 0, ret.stdout
+        data = ret.data
+        # every master serves a new key, one at a time: the peer before the primary
+        assert watcher.restarts == [peer.id, primary.id]
+        for master in signed.masters:
+            assert _pub(master) != old[master.id]
+            _check_backup(master, old[master.id])
+        assert list(data["minions"]["unconfirmed"]) == [stopped.id], data
+        assert "start the salt-minion" in data["minions"]["unconfirmed"][stopped.id]["remedy"]
+        assert running.id in data["minions"]["confirmed"]
+        assert signed.ping(primary, running.id)
+        # the new private keys never left their hosts: no copy outside pki dirs
+        needles = [n for m in signed.masters
+                   for n in key_body_lines(master_key_paths(m.config["pki_dir"])[0])]
+        roots = [d.config["root_dir"] for d in _all_daemons(signed)]
+        assert files_holding(roots, needles,
+                             skip=[d.config["pki_dir"] for d in _all_daemons(signed)]) == []
+    finally:
+        stopped.start()
+    # the remedy: start it (done); it accepts the signed new keys by itself
+    assert signed.wait_ping(primary, stopped.id, deadline=120)
+    ret = _rotate(signed)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True
+    assert stopped.id in ret.data["minions"]["confirmed"]
+    assert ret.data["minions"]["unconfirmed"] == {}
+    assert signed.wait_ping(peer, stopped.id, deadline=120)
+
+
+def test_signed_rotation_interrupted_after_the_first_master_converges(signed):
+    primary, peer = signed.primary, signed.peers[0]
+    old = {m.id: _pub(m) for m in signed.masters}
+    with _watcher(signed) as watcher:
+        _rotate_without_primary_restart(signed, watcher)
+        assert _pub(peer) != old[peer.id]
+        # the minions still answer: the peer with its new key, the primary with its old
+        for minion in signed.minions:
+            assert signed.wait_ping(primary, minion.id)
+        # the service manager is fixed; the re-run asks for the restart again
+        watcher.enable(primary)
+        ret = _rotate(signed)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True
+    assert watcher.restarts == [peer.id, primary.id]
+    assert _pub(primary) != old[primary.id]
+    assert sorted(ret.data["minions"]["confirmed"]) == sorted(
+        m.id for m in signed.all_minions)
+
+
+@pytest.fixture(scope="module")
+def shared(cluster_factory):
+    cluster = cluster_factory("rkh", peers=1, minions=2)
+    _config(cluster, "shared")
+    cluster.start()
+    for minion in cluster.minions:
+        assert cluster.wait_ping(cluster.primary, minion.id)
+    yield cluster
+    cluster.stop()
+
+
+def _trusted(minion):
+    return (pathlib.Path(minion.config["pki_dir"]) / "minion_master.pub").read_bytes()
+
+
+def test_shared_dry_run_writes_nothing(shared):
+    _dry_run(shared, [shared.peer_minions[0].id, "minions", shared.primary.config["id"],
+                      "verify"])
+
+
+def test_shared_rotation_with_a_stopped_minion(shared):
+    primary, peer = shared.primary, shared.peers[0]
+    stopped, running = shared.minions[1], shared.minions[0]
+    old = _pub(primary)
+    assert _pub(peer) == old
+    stopped.terminate()
+    with _watcher(shared) as watcher:
+        ret = _rotate(shared, "verify_wait=15")
+    assert ret.returncode != 0, ret.stdout
+    data = ret.data
+    assert watcher.restarts == [peer.id, primary.id]
+    new = _pub(primary)
+    assert new != old and _pub(peer) == new
+    for master in shared.masters:
+        _check_backup(master, old)
+    # every reachable minion trusts the new key; the stopped one is named
+    for minion in [running, *shared.peer_minions]:
+        assert _trusted(minion).strip() == new.strip()
+        assert minion.id in data["minions"]["confirmed"]
+    assert list(data["minions"]["unconfirmed"]) == [stopped.id], data
+    remedy = data["minions"]["unconfirmed"][stopped.id]["remedy"]
+    assert "minion_master.pub" in remedy
+    assert _trusted(stopped).strip() == old.strip()
+    assert shared.ping(primary, running.id) and shared.wait_ping(peer, running.id)
+    # the new private key rode no publish, return or log in clear
+    roots = [d.config["root_dir"] for d in _all_daemons(shared)]
+    assert files_holding(roots, key_body_lines(master_key_paths(primary.config["pki_dir"])[0]),
+                         skip=[d.config["pki_dir"] for d in _all_daemons(shared)]) == []
+    # the documented remedy: the new master.pub as the minion's trusted key
+    shutil.copyfile(master_key_paths(primary.config["pki_dir"])[1],
+                    pathlib.Path(stopped.config["pki_dir"]) / "minion_master.pub")
+    stopped.start()
+    assert shared.wait_ping(primary, stopped.id, deadline=120)
+    ret = _rotate(shared)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True and ret.data["minions"]["unconfirmed"] == {}
+    state = pathlib.Path(primary.config["cachedir"]) / "multimaster"
+    assert not (state / "rotation-staged").exists()
+
+
+def test_shared_rotation_interrupted_after_the_first_master_converges(shared):
+    primary, peer = shared.primary, shared.peers[0]
+    old = _pub(primary)
+    with _watcher(shared) as watcher:
+        steps = _rotate_without_primary_restart(shared, watcher)
+        assert steps["minions"]["state"] == "serving"
+        new = _pub(peer)
+        assert new != old and _pub(primary) == new
+        # each minion trusts the new key, served by the peer; the primary
+        # still serves the old one over the minions' live sessions
+        for minion in shared.minions:
+            assert _trusted(minion).strip() == new.strip()
+            assert shared.wait_ping(peer, minion.id)
+        watcher.enable(primary)
+        ret = _rotate(shared)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True
+    assert watcher.restarts == [peer.id, primary.id]
+    assert _pub(primary) == new
+    assert sorted(ret.data["minions"]["confirmed"]) == sorted(m.id for m in shared.all_minions)
