@@ -15,6 +15,8 @@ import pytest
 import salt.payload
 import salt.utils.yaml
 
+from tests.support.cluster import started_with_pull
+
 pytestmark = pytest.mark.daemons
 
 FILES = 3000
@@ -22,16 +24,7 @@ FILES = 3000
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    cluster = cluster_factory(
-        "ded", peers=1, minions=0,
-        primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
-    )
-    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
-    dropin.parent.mkdir(exist_ok=True)
-    dropin.write_text(salt.utils.yaml.safe_dump(
-        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
-    cluster.start()
-    assert cluster.wait_ping(cluster.primary, cluster.peer_minions[0].id)
+    cluster = started_with_pull(cluster_factory, "ded")
     yield cluster
     cluster.stop()
 

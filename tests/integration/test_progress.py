@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import pytest
-import salt.utils.yaml
+
+from tests.support.cluster import started_with_pull
 
 pytestmark = pytest.mark.daemons
 
@@ -20,16 +21,7 @@ FILES = 600
 
 @pytest.fixture(scope="module")
 def cluster(cluster_factory):
-    cluster = cluster_factory(
-        "prg", peers=1, minions=0,
-        primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
-    )
-    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
-    dropin.parent.mkdir(exist_ok=True)
-    dropin.write_text(salt.utils.yaml.safe_dump(
-        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
-    cluster.start()
-    assert cluster.wait_ping(cluster.primary, cluster.peer_minions[0].id)
+    cluster = started_with_pull(cluster_factory, "prg")
     yield cluster
     cluster.stop()
 

@@ -36,9 +36,8 @@ import time
 import salt.config
 import salt.payload
 import salt.utils.yaml
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
 from pytestshellutils.exceptions import FactoryTimeout
+from salt_multimaster.rotation import gen_keypair  # noqa: F401  (the product's own; tests import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -121,20 +120,6 @@ def standalone_factories(root, stack, **kwargs):
         event_listener=listener,
         **kwargs,
     )
-
-
-def gen_keypair(bits=2048):
-    """A new RSA keypair as Salt writes it: (private PEM, public PEM) bytes."""
-    key = rsa.generate_private_key(public_exponent=65537, key_size=bits)
-    priv = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.TraditionalOpenSSL,
-        serialization.NoEncryption(),
-    )
-    pub = key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return priv, pub
 
 
 def master_key_paths(pki_dir):
@@ -261,7 +246,7 @@ class Cluster:
         pki = pathlib.Path(minion.config["pki_dir"])
         pki.mkdir(parents=True, exist_ok=True)
         if not (pki / "minion.pub").exists():
-            priv, pub = gen_keypair()
+            priv, pub = gen_keypair(2048)
             (pki / "minion.pem").write_bytes(priv)
             os.chmod(pki / "minion.pem", 0o400)
             (pki / "minion.pub").write_bytes(pub)
@@ -448,3 +433,22 @@ def run(cmd, **kwargs):
     kwargs.setdefault("text", True)
     return subprocess.run(cmd, check=False, **kwargs)  # pylint: disable=subprocess-run-check
 
+
+
+def started_with_pull(cluster_factory, name):
+    """
+    A started cluster of one peer and no plain minion whose primary grants
+    the pull channel (``peer_run``) and lists the peer in
+    ``master.d/multimaster.conf``: the setting of a large sync.
+    """
+    cluster = cluster_factory(
+        name, peers=1, minions=0,
+        primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
+    )
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    dropin.parent.mkdir(exist_ok=True)
+    dropin.write_text(salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
+    cluster.start()
+    assert cluster.wait_ping(cluster.primary, cluster.peer_minions[0].id)
+    return cluster
