@@ -1429,12 +1429,18 @@ def _rot_job(tgt, tgt_type, fun, kwarg, timeout):
 
 
 def _rot_call(peer, fun, kwarg, timeout):
-    """One peer's return of ``fun`` (its arguments sealed to it), or None."""
-    sealed = protocol.sealed_kwarg({peer: sync_core.peer_pub(__opts__, peer)}, fun, kwarg)
+    """
+    One peer's reply to ``fun`` (its arguments sealed to it), None when it did
+    not answer, or ``{"result": False, "error": ...}`` (refused, or another
+    protocol version).
+    """
+    sealed = protocol.sealed_kwarg({peer: sync_core.peer_pub(__opts__, peer)}, fun,
+                                   protocol.request(fun, **kwarg))
     got = _rot_job([peer], "list", fun, sealed, timeout).get(peer)
-    if protocol.reply_error(got):
-        return {"result": False, "error": protocol.reply_error(got)}
-    return got
+    if got is None:
+        return None
+    reply, error = protocol.check_reply(peer, fun, got)
+    return {"result": False, "error": error} if error else reply
 
 
 def _rot_minions(tgt, tgt_type, fun, kwarg, timeout, only=None):

@@ -92,6 +92,8 @@ REQUESTS = {
     "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
                                "expect", "config_keys", "keys_digest"),
     "multimaster_peer.restore": ("backup_name", "test"),
+    "multimaster_peer.rotate_key": ("topology", "keypair", "restart_only", "restart_cmd", "test",
+                                    "backup_keep"),
 }
 
 
@@ -126,6 +128,7 @@ REPLIES = {
     "multimaster_peer.inventory": ("the inventory", "master_id"),
     "multimaster_peer.apply": ("the apply", "backup"),
     "multimaster_peer.restore": ("the restore", "restored"),
+    "multimaster_peer.rotate_key": ("the key rotation", "restart"),
 }
 
 
