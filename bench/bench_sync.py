@@ -517,6 +517,19 @@ class Bench:
             secs, _ = self.salt_run("test.arg", "bench")
             self.record(label, secs)
 
+    def restart_masters(self, peers):
+        """
+        Restart the peers' salt-masters, as an operator does after an initial
+        sync (it writes the replicated master options): until then every
+        sync reports ``restart_required`` and fails.
+        """
+        for index, peer in enumerate(self.peer_ids):
+            if peer in peers:
+                self.cluster.restart(self.cluster.peers[index])
+        for peer in peers:
+            if not self.cluster.wait_ping(self.primary, peer, deadline=120):
+                raise RuntimeError(f"peer minion {peer} does not answer after the restart")
+
     def reset_peer(self, index=0):
         """
         Make peer ``index`` fresh again: no keys, no files, no sync state.
@@ -614,6 +627,7 @@ class Bench:
         self.sync([peer1], "sync initial, 1 peer", INITIAL_TIMEOUT)
         self.disk_probe("rsync initial")
         self.rsync([peer1], "rsync initial, 1 peer")
+        self.restart_masters([peer1])
 
         say("no-op, 1 peer")
         self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer")
@@ -629,6 +643,7 @@ class Bench:
                       INITIAL_TIMEOUT)
             self.disk_probe("rsync initial, more peers")
             self.rsync(peers[1:], f"rsync initial, {len(peers) - 1} more peers sequentially")
+            self.restart_masters(peers[1:])
             say(f"no-op, {len(peers)} peers")
             self.repeat(n, self.sync, peers, f"sync no-op, {len(peers)} peers")
             self.repeat(n, self.rsync, peers, f"rsync no-op, {len(peers)} peers sequentially")
