@@ -1557,8 +1557,6 @@ def _rot_primary_serving(step):
 
 
 def _rot_restart_primary(ctx):
-    from salt_multimaster import layout, rotation  # pylint: disable=import-outside-toplevel
-
     booted = not ctx["restart_cmd"] and salt.utils.systemd.booted({})
     return rotation.restart_primary(layout.state_dir(__opts__), ctx["restart_cmd"], booted)
 

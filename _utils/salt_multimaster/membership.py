@@ -33,7 +33,7 @@ import socket
 
 import salt.utils.yaml
 
-from salt_multimaster import daemon, fsutil, layout, manifest, masters
+from salt_multimaster import daemon, fsutil, layout, manifest, masters, report
 
 DROPIN_NAME = "multimaster-peers.conf"
 DROPIN_MODE = 0o600
@@ -427,8 +427,6 @@ def report_rows(ret, verbose=False):
     step with its status and comment (the sync's categories, the minions'
     groups), the next steps, then ``retcode``.
     """
-    from salt_multimaster import report  # pylint: disable=import-outside-toplevel
-
     if "steps" not in ret:
         return {"error": ret.get("error"), "retcode": ret.get("retcode", 0)}
     test = ret.get("test")
