@@ -42,6 +42,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
 GOAL = 1.5
 
 

@@ -113,6 +113,7 @@ def test_bench_burst(cluster_factory, capsys):
 if __name__ == "__main__":
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
     sys.exit(pytest.main([
         str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
         "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",

@@ -218,6 +218,7 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
 if __name__ == "__main__":
     os.chdir(REPO)
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
     sys.exit(pytest.main([
         str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
         "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",

@@ -67,6 +67,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 BIN = pathlib.Path(sys.executable).parent
 RESULTS = REPO / "bench" / "results"
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
 
 log = logging.getLogger("bench_sync")
 
