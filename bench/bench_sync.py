@@ -802,7 +802,7 @@ print(json.dumps(out))
                                  "full": f"transport: {calls} peer_run calls, {total / 1e6:.0f} MB in all"}
 
     def _pull_ahead(self):
-        text = (self.root / "site" / "salt_multimaster" / "modules" / "multimaster_peer.py").read_text()
+        text = (self.root / "site" / "salt_multimaster" / "peer.py").read_text()
         return int(re.search(r"^PULL_AHEAD = (\d+)", text, re.M).group(1))
 
     def client_roundtrip(self, peer):
