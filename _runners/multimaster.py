@@ -420,9 +420,10 @@ def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
     # allow for 10 operations a second on top of the timeout
     total = sum(len(o) for o in ops.values())
     wait = conf["timeout"] + total // 10
-    _progress(f"multimaster: {peer}: applying {total} change(s)"
-              + (f" ({len(chunks)} pull chunk(s))" if chunks else ""),
-              peer=peer, phase="apply", done=0, total=total)
+    if total:
+        _progress(f"multimaster: {peer}: applying {total} change(s)"
+                  + (f" ({len(chunks)} pull chunk(s))" if chunks else ""),
+                  peer=peer, phase="apply", done=0, total=total)
 
     def still(seconds):
         if chunks:

@@ -288,8 +288,9 @@ def main():
 
             say(f"Starting the primary master ({primary.config['interface']}), a fresh peer "
                 f"master ({peer.config['interface']}) with its own generated keypair, the "
-                f"peer host's minion ({peer_minion.id}, a minion of the primary) and three "
-                "minions listing both masters. Minion keys are accepted on the primary only.")
+                f"peer host's minion ({peer_minion.id}) and three more minions, each listing "
+                "both masters. Minion keys are accepted on the primary only: the sync carries "
+                "them to the peer.")
             cluster.start()
             for minion in cluster.all_minions:
                 cluster.wait_ping(primary, minion.id)
