@@ -4,6 +4,8 @@ import os
 import stat
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 
 from salt_multimaster import daemon, finger, rotation
 
@@ -28,8 +30,14 @@ def _mode(path):
 
 def test_gen_keypair_is_a_pair(keypair):
     priv, pub = keypair
-    assert priv.startswith(b"-----BEGIN RSA PRIVATE KEY-----")
-    assert pub.startswith(b"-----BEGIN PUBLIC KEY-----")
+    # the formats Salt writes: traditional OpenSSL for the private key, SPKI for the public
+    key = serialization.load_pem_private_key(priv, password=None)
+    assert isinstance(key, rsa.RSAPrivateKey)
+    assert priv == key.private_bytes(serialization.Encoding.PEM,
+                                     serialization.PrivateFormat.TraditionalOpenSSL,
+                                     serialization.NoEncryption())
+    assert pub == key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                serialization.PublicFormat.SubjectPublicKeyInfo)
     assert rotation.public_of(priv) == pub
     with pytest.raises(rotation.RotationError, match="not an unencrypted PEM private key"):
         rotation.public_of(b"nope")
