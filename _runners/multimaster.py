@@ -268,6 +268,41 @@ def _client():
     return salt.client.LocalClient(mopts=__opts__)
 
 
+def _returns(client, pub, tgt, tgt_type, timeout, on_wait=None):
+    """
+    ``{minion id: return}`` of the job ``pub`` (``ret`` of Salt's full
+    return) from the minions that returned within ``timeout`` seconds.  The
+    job is tracked with ``saltutil.find_job`` as Salt's own CLI does, every
+    :data:`GATHER_TIMEOUT` seconds: a minion that is not connected, or dies
+    (or loses its return across a master restart) while it works, is given
+    up within seconds; one still running is waited for up to the timeout.
+    ``on_wait(seconds)`` is called every :data:`PROGRESS_EVERY` seconds
+    meanwhile.
+    """
+    ret = {}
+    if not pub or not pub.get("minions"):
+        return ret
+    start = told = time.monotonic()
+    deadline = start + timeout
+    # expect_minions=False: the caller reports missing minions itself; Salt
+    # would otherwise list every accepted key after the returns (~2 s at
+    # 20,000 keys, bench/bench_sync.py)
+    for got in client.get_iter_returns(pub["jid"], set(pub["minions"]), timeout=JOB_POLL,
+                                       tgt=tgt, tgt_type=tgt_type, expect_minions=False,
+                                       block=False, gather_job_timeout=GATHER_TIMEOUT):
+        for mid, data in (got or {}).items():
+            if isinstance(data, dict) and "ret" in data:
+                ret[mid] = data["ret"]
+        if set(ret) >= set(pub["minions"]) or time.monotonic() > deadline:
+            break
+        if not got:
+            if on_wait and time.monotonic() - told >= PROGRESS_EVERY:
+                told = time.monotonic()
+                on_wait(told - start)
+            time.sleep(0.02)
+    return ret
+
+
 class _Job:
     """
     A publish to the peers whose returns are read later: the caller works
@@ -291,38 +326,9 @@ class _Job:
             raise
 
     def wait(self, on_wait=None):
-        """
-        ``{peer: return}`` of the peers that returned (``ret`` of Salt's
-        full return).  The peers' job is tracked with ``saltutil.find_job``
-        as Salt's own CLI does, every :data:`GATHER_TIMEOUT` seconds: a peer
-        that is not connected, or whose minion dies while it works, is given
-        up within seconds, whatever the size of the sync; one still running
-        is waited for up to the timeout.
-        """
+        """``{peer: return}`` of the peers that returned (:func:`_returns`)."""
         try:
-            ret = {}
-            if self.pub:
-                start = time.monotonic()
-                deadline = start + self.timeout
-                told = start
-                # expect_minions=False: the caller reports missing peers
-                # itself; Salt would otherwise list every accepted key after
-                # the returns (~2 s at 20,000 keys, bench/bench_sync.py)
-                for fn_ret in self.client.get_iter_returns(
-                        self.pub["jid"], set(self.pub["minions"]), timeout=JOB_POLL,
-                        tgt=self.peers, tgt_type="list", expect_minions=False, block=False,
-                        gather_job_timeout=GATHER_TIMEOUT):
-                    if fn_ret:
-                        for mid, data in fn_ret.items():
-                            ret[mid] = data.get("ret") if isinstance(data, dict) else None
-                    elif time.monotonic() > deadline:
-                        break
-                    else:
-                        if on_wait and time.monotonic() - told >= PROGRESS_EVERY:
-                            told = time.monotonic()
-                            on_wait(told - start)
-                        time.sleep(0.02)
-            return ret
+            return _returns(self.client, self.pub, self.peers, "list", self.timeout, on_wait)
         finally:
             self.close()
 
@@ -1407,26 +1413,12 @@ def _rot_job(tgt, tgt_type, fun, kwarg, timeout):
     a restarted master) is not waited for beyond it.
     """
     client = _client()
-    ret = {}
     try:
         pub = client.run_job(tgt, fun, kwarg=kwarg, tgt_type=tgt_type, timeout=timeout,
                              listen=True)
-        if not pub or not pub.get("minions"):
-            return ret
-        deadline = time.monotonic() + timeout
-        for got in client.get_iter_returns(pub["jid"], set(pub["minions"]), timeout=2,
-                                           tgt=tgt, tgt_type=tgt_type, expect_minions=False,
-                                           block=False, gather_job_timeout=3):
-            for mid, data in (got or {}).items():
-                if isinstance(data, dict) and "ret" in data:
-                    ret[mid] = data["ret"]
-            if set(ret) >= set(pub["minions"]) or time.monotonic() > deadline:
-                break
-            if not got:
-                time.sleep(0.05)
+        return _returns(client, pub, tgt, tgt_type, timeout)
     finally:
         client.destroy()
-    return ret
 
 
 def _rot_call(peer, fun, kwarg, timeout):
