@@ -287,6 +287,7 @@ def _returns(client, pub, tgt, tgt_type, timeout, on_wait=None):
     # expect_minions=False: the caller reports missing minions itself; Salt
     # would otherwise list every accepted key after the returns (~2 s at
     # 20,000 keys, bench/bench_sync.py)
+    poll = jobs.EventPoll()
     for got in client.get_iter_returns(pub["jid"], set(pub["minions"]), timeout=JOB_POLL,
                                        tgt=tgt, tgt_type=tgt_type, expect_minions=False,
                                        block=False, gather_job_timeout=GATHER_TIMEOUT):
@@ -295,11 +296,10 @@ def _returns(client, pub, tgt, tgt_type, timeout, on_wait=None):
                 ret[mid] = data["ret"]
         if set(ret) >= set(pub["minions"]) or time.monotonic() > deadline:
             break
-        if not got:
-            if on_wait and time.monotonic() - told >= PROGRESS_EVERY:
-                told = time.monotonic()
-                on_wait(told - start)
-            time.sleep(0.02)
+        if not got and on_wait and time.monotonic() - told >= PROGRESS_EVERY:
+            told = time.monotonic()
+            on_wait(told - start)
+        time.sleep(poll.nap(got))
     return ret
 
 

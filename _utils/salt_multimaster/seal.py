@@ -9,6 +9,7 @@ publish, only the receiving peer can open it.
 """
 
 import base64
+import functools
 import json
 import os
 
@@ -36,6 +37,21 @@ def _aad(receiver, purpose):
 
 
 BINARY_MAGIC = b"mmseal1b"
+
+
+@functools.lru_cache(maxsize=4)
+def _private_key(private_pem):
+    """
+    The loaded private key, once per process: an apply opens one blob per
+    sealed item.  The key is the receiver's own (its minion key on its
+    disk), so OpenSSL's consistency check of it is skipped: 39 ms per load
+    of a 2048-bit key, against 0.2 ms without.
+    """
+    try:
+        return serialization.load_pem_private_key(private_pem, password=None,
+                                                  unsafe_skip_rsa_key_validation=True)
+    except TypeError:  # cryptography < 39: no such argument
+        return serialization.load_pem_private_key(private_pem, password=None)
 
 
 def seal(public_pem, data, receiver, purpose, binary=False):
@@ -71,7 +87,7 @@ def unseal(private_pem, blob, receiver, purpose):
     if isinstance(private_pem, str):
         private_pem = private_pem.encode()
     try:
-        priv = serialization.load_pem_private_key(private_pem, password=None)
+        priv = _private_key(private_pem)
         if binary:
             # slices of a memoryview: no copy of a bulk reply (tens of MiB)
             size = priv.key_size // 8

@@ -239,6 +239,21 @@ def test_seal_roundtrip_and_binding():
             seal.unseal(priv, bad, "peer1", "pull/t")
 
 
+def test_unseal_loads_the_private_key_once_per_process():
+    """An apply opens one blob per sealed item: the key is parsed once."""
+    priv, pub = gen_keypair(2048)
+    blobs = [seal.seal(pub, f"item {i}".encode(), "peer1", f"p/{i}") for i in range(5)]
+    seal._private_key.cache_clear()
+    assert [seal.unseal(priv, b, "peer1", f"p/{i}") for i, b in enumerate(blobs)] == [
+        f"item {i}".encode() for i in range(5)]
+    info = seal._private_key.cache_info()
+    assert (info.misses, info.hits) == (1, 4)
+    # a key that is no key is still refused, and not cached
+    with pytest.raises(seal.SealError):
+        seal.unseal(b"not a key", blobs[0], "peer1", "p/0")
+    assert seal._private_key.cache_info().currsize == 1
+
+
 def test_atomic_write_modes_and_safe_join(tmp_path):
     path = tmp_path / "k.pem"
     path.symlink_to(tmp_path / "elsewhere")

@@ -115,3 +115,40 @@ def test_record_in_thread_saves_through_the_job_cache(opts):
 
 def test_args_lists_what_was_given():
     assert jobs.args(peers="a,b", only=None, test=True, __pub_user="x") == ["peers=a,b", "test=True"]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _reads(poll, clock, reads):
+    """Each read: (seconds it took, what it brought); the naps asked for."""
+    naps = []
+    for took, got in reads:
+        clock.now += took
+        naps.append(poll.nap(got))
+        clock.now += naps[-1]
+    return naps
+
+
+def test_event_poll_reads_again_at_once_when_salt_waited_or_an_event_came():
+    clock = _Clock()
+    poll = jobs.EventPoll(clock)
+    # Salt 3008: an empty read waits 10 ms itself; a 30 KiB event comes in
+    # 4 KiB reads that return at once, then the return
+    reads = [(0.010, None)] * 3 + [(0.0002, None)] * 8 + [(0.0002, {"p": {"ret": 1}})]
+    assert _reads(poll, clock, reads) == [0, 0, 0] + [poll.NAP] * 8 + [0]
+
+
+def test_event_poll_naps_then_polls_when_reads_return_at_once():
+    clock = _Clock()
+    poll = jobs.EventPoll(clock)
+    # Salt 3006/3007 with nothing coming: every read returns at once
+    naps = _reads(poll, clock, [(0.0001, None)] * (poll.SPIN + 3))
+    assert naps == [poll.NAP] * poll.SPIN + [poll.POLL] * 3
+    # an event brings it back to reading at once
+    assert _reads(poll, clock, [(0.0001, {"p": {}}), (0.0001, None)]) == [0, poll.NAP]
