@@ -1066,8 +1066,9 @@ def _member_run(fun, steps, peer, kwargs, **args):
     ``--out``, salt-run running ``fun`` prints the compact report.
     """
     try:
-        for flag in [name for name in ("test", "force") if name in args]:
-            args[flag] = _valid(validate.boolean, flag, args[flag])
+        for flag in ("test", "force"):
+            if flag in args:
+                args[flag] = _valid(validate.boolean, flag, args[flag])
         args["timeout"] = _timeout(kwargs.get("timeout") or 30)
         _valid(validate.known_kwargs, kwargs, _MEMBERSHIP_KWARGS, fun)
         salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,

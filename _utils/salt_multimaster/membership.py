@@ -548,6 +548,19 @@ def _done(ret):
     return ret
 
 
+def _configure(salt_ops, dropin, peers, steps):
+    """
+    Write the drop-in listing ``peers`` and read the config again: the peers
+    Salt now loads, or None with the failed ``config`` step in ``steps``.
+    """
+    try:
+        write_dropin(dropin, peers)
+        return salt_ops.reload_peers()
+    except (OSError, MembershipError) as exc:
+        steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
+        return None
+
+
 def _minions(salt_ops, entry, exclude, tgt, tgt_type, adding):
     """Per-minion rows (:func:`minion_rows`) and next steps: live audit plus cached pillar."""
     minions = sorted(set(salt_ops.minions(tgt, tgt_type)) - set(exclude))
@@ -603,11 +616,8 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
         with salt_ops.peers_in_opts(configured + [peer]):
             synced = salt_ops.sync(peers=peer, test=True)
     else:
-        try:
-            write_dropin(dropin, peers)
-            loaded = salt_ops.reload_peers()
-        except (OSError, MembershipError) as exc:
-            steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
+        loaded = _configure(salt_ops, dropin, peers, steps)
+        if loaded is None:
             return _done(ret)
         if peer not in loaded:
             write_dropin(dropin, dropin_peers)
@@ -716,11 +726,8 @@ def remove_peer(salt_ops, peer, address=None, test=False, force=False, tgt="*",
     elif test:
         steps["config"] = {"result": None, "comment": f"{peer} would be removed from {dropin}"}
     else:
-        try:
-            write_dropin(dropin, peers)
-            loaded = salt_ops.reload_peers()
-        except (OSError, MembershipError) as exc:
-            steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
+        loaded = _configure(salt_ops, dropin, peers, steps)
+        if loaded is None:
             return _done(ret)
         steps["config"] = {"result": peer not in loaded, "comment": (
             f"{peer} removed from {dropin}" if peer not in loaded else

@@ -471,6 +471,19 @@ def test_remove_peer_force_takes_it_out_and_still_fails(added):
     assert added.opts["multimaster"] == {"peers": ["master02"]}
 
 
+def test_remove_peer_says_when_the_dropin_is_not_written(added, monkeypatch):
+    def fail(path, peers):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(membership, "write_dropin", fail)
+    added.audits["web01"] = ["10.0.0.1"]
+    ret = membership.remove_peer(added.ops(), "master03")
+    assert ret["steps"]["config"] == {"result": False, "comment": (
+        f"{added.dropin} not written: [Errno 13] Permission denied: '{added.dropin}'")}
+    assert ret["result"] is False and ret["retcode"] == 1
+    assert added.opts["multimaster"] == {"peers": ["master02", "master03"]}
+
+
 def test_remove_peer_needs_the_address_of_a_silent_peer(added):
     added.host = None
     with pytest.raises(membership.MembershipError, match="pass address=<the entry"):
