@@ -30,7 +30,6 @@ import threading
 import time
 
 import salt.client
-import salt.config
 import salt.loader
 import salt.utils.event
 import salt.utils.extmods
@@ -1030,14 +1029,12 @@ def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_vers
 # ---------------------------------------------------------------------------
 # Membership (salt-run multimaster.add_peer / multimaster.remove_peer).
 # Everything below this line belongs to adding and removing peers; it calls
-# the public sync() only.  Logic in salt_multimaster.membership.
+# the public sync() only.  The steps are salt_multimaster.membership's.
 # ---------------------------------------------------------------------------
 _MEMBERSHIP_KWARGS = ("timeout",)
-# Seconds a started peer master is given to answer on its ports.
-PEER_START_WAIT = 60
 
 
-def _member_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
+def _member_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
     """``{minion id: return}`` of the minions that returned ``fun``."""
     client = _client()
     try:
@@ -1049,80 +1046,38 @@ def _member_client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=
             for mid, ret in rets.items() if fleet.returned(ret)}
 
 
-def _member_host(peer, topology, timeout):
-    """The peer host's ``multimaster_peer.host_check`` return (None: no answer)."""
-    return _member_client_cmd(peer, "multimaster_peer.host_check", kwarg={"topology": topology},
-                              timeout=timeout).get(peer)
-
-
-@contextlib.contextmanager
-def _member_peers_in_opts(peers):
-    """This process's ``multimaster:peers`` set to ``peers`` for the block (test mode)."""
-    saved = __opts__.get("multimaster")
-    conf = dict(saved) if isinstance(saved, dict) else {}
-    conf["peers"] = list(peers)
-    __opts__["multimaster"] = conf
-    try:
-        yield
-    finally:
-        __opts__["multimaster"] = saved
-
-
-def _member_reload_peers():
-    """Read the master config again (the drop-in just written): the peers Salt now loads."""
-
-
-    fresh = salt.config.master_config(__opts__["conf_file"])
-    __opts__["multimaster"] = fresh.get("multimaster")
-    return membership.effective_peers(fresh)
-
-
-def _member_setup(fun, peer, kwargs):
-    """Validated input of add_peer/remove_peer: ``(topology, dropin, dropin peers, peers)``."""
-    _valid(validate.known_kwargs, kwargs, _MEMBERSHIP_KWARGS, fun)
-    if not peer or not isinstance(peer, str):
-        raise membership.MembershipError(f"{fun}: name the peer: salt-run {fun} <peer minion id>")
-    conf = __opts__.get("multimaster") or {}
-    topology = conf.get("topology", "shared") if isinstance(conf, dict) else "shared"
-    if topology not in layout.TOPOLOGIES:
-        raise membership.MembershipError(f"unknown multimaster:topology {topology!r}")
-    dropin = membership.dropin_path(__opts__)
-    shadow = membership.shadowed(__opts__["conf_file"], dropin)
-    if shadow:
-        raise membership.MembershipError(shadow)
-    return (topology, dropin, membership.read_dropin(dropin),
-            membership.effective_peers(__opts__))
-
-
-def _member_minions(entry, exclude, tgt, tgt_type, adding):
-    """Per-minion rows (membership.minion_rows): live audit plus cached pillar."""
+def _member_minions(tgt, tgt_type):
+    """The accepted minion ids ``tgt`` matches."""
     found = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
-    found = found.get("minions", []) if isinstance(found, dict) else []
-    minions = sorted(set(found) - set(exclude))
-    if not minions:
-        return {}, []
-    rets = _member_client_cmd(minions, "multimaster.audit", tgt_type="list",
-                          timeout=max(int(__opts__.get("timeout") or 5), 10))
-    current = {mid: ret["masters"] for mid, ret in rets.items()
-               if isinstance(ret, dict) and isinstance(ret.get("findings"), list)}
-    pillars = salt.utils.master.MasterPillarUtil(
+    return found.get("minions", []) if isinstance(found, dict) else []
+
+
+def _member_pillars(minions):
+    """``{id: pillar}`` of ``minions`` from this master's minion data cache."""
+    return salt.utils.master.MasterPillarUtil(
         minions, "list", use_cached_grains=True, grains_fallback=False,
         use_cached_pillar=True, pillar_fallback=False, opts=__opts__).get_minion_pillar()
-    rows = membership.minion_rows(entry, minions, current,
-                                  membership.pillar_masters(pillars, minions), adding)
-    return rows, membership.next_steps(rows, entry, adding)
 
 
-def _member_done(ret):
-    ret["result"] = all(step["result"] is not False for step in ret["steps"].values())
-    if not ret["result"]:
-        __context__["retcode"] = 1
-        ret["retcode"] = 1
-    return ret
-
-
-def _member_output(fun, ret):
-    """Without ``--out``, salt-run running ``fun`` prints the compact report."""
+def _member_run(fun, steps, peer, kwargs, **args):
+    """
+    ``steps`` (membership.add_peer/remove_peer) of ``peer`` run with this
+    master's Salt, bad input refused before anything is sent; without
+    ``--out``, salt-run running ``fun`` prints the compact report.
+    """
+    try:
+        for flag in ("test", "force"):
+            if flag in args:
+                args[flag] = _valid(validate.boolean, flag, args[flag])
+        args["timeout"] = _timeout(kwargs.get("timeout") or 30)
+        _valid(validate.known_kwargs, kwargs, _MEMBERSHIP_KWARGS, fun)
+        salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
+                                      cached_pillars=_member_pillars, sync=sync)
+        ret = steps(salt_ops, peer, **args)
+    except (SaltInvocationError, membership.MembershipError) as exc:
+        ret = _invalid(str(exc))
+    if ret.get("retcode"):
+        __context__["retcode"] = ret["retcode"]
     if __opts__.get("output") or __opts__.get("fun") != fun:
         return ret
     return {"outputter": "txt", "data": membership.report_rows(ret)}
@@ -1130,44 +1085,15 @@ def _member_output(fun, ret):
 
 def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kwargs):
     """
-    Add a peer master to this primary, step by step, with a report per step:
+    Make ``peer``, the new master host's accepted salt-minion, a peer master
+    of this primary: ``check`` its host, list it in the drop-in ``config``,
+    ``sync`` everything to it (the master keys before its salt-master's
+    first start; the drop-in put back when the sync fails), ``start`` its
+    salt-master, and report the ``minions`` that get it at their next
+    ``state.apply salt.multimaster``.  ``address`` overrides how minions
+    name the new master.
 
-    1. ``check``: ``peer`` is an accepted minion of this primary (the new
-       master host's salt-minion), not the primary itself and not a peer
-       yet; its ``multimaster_peer.host_check`` finds the master config
-       (``multimaster.master_config``) and either a salt-master not running
-       with its ports free, or one answering;
-    2. ``config``: ``peer`` is added to ``multimaster:peers`` through the
-       drop-in ``<master.d>/multimaster-peers.conf`` (0600; joined with the
-       peers of your own master.d files, see docs/add-remove-peer.rst);
-    3. ``sync``: ``multimaster.sync peers=<peer>`` replicates everything
-       (master keys first: before the peer master's first start); when it
-       fails the drop-in is put back as it was;
-    4. ``start``: the peer's salt-master is started (never started) or
-       restarted (it ran with its own key) through its minion's service
-       manager; where there is none, the step fails and says to do it;
-    5. ``minions``: which minions will get the new master entry at the next
-       ``state.apply salt.multimaster`` (their pillar ``multimaster:masters``
-       lists it, their config does not), which already list it, and what
-       the operator still has to do (``next_steps``).
-
-    ``test=True`` changes nothing and shows this plan (the sync's own dry
-    run included).  ``result`` is False and salt-run exits non-zero when the
-    peer is not a configured replica in service afterwards.  Without
-    ``--out`` salt-run prints a compact report, a row per step;
-    ``--out=json`` gives the data (``steps``, ``master_entry``,
-    ``next_steps``, ``result``).
-
-    peer
-        The new master host's minion id.
-    address
-        How minions name the new master in ``multimaster:masters`` (default:
-        its ``interface``, else the host's fqdn; ``:port`` when its
-        ``ret_port`` is not 4506).
-    tgt, tgt_type
-        The minions looked at in step 5 (default every minion).
-    timeout
-        Seconds to wait for the peer's minion (default 30).
+    Arguments, steps and report: docs/add-remove-peer.rst.
 
     CLI Example:
 
@@ -1177,153 +1103,20 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
         salt-run multimaster.add_peer master03
         salt-run multimaster.add_peer master03 address=master03.example.com
     """
-    return _member_output("multimaster.add_peer",
-                      _member_add_peer(peer, address, test, tgt, tgt_type, **kwargs))
-
-
-def _member_add_peer(peer, address, test, tgt, tgt_type, **kwargs):
-
-    try:
-        test = _valid(validate.boolean, "test", test)
-        timeout = _timeout(kwargs.get("timeout") or 30)
-        topology, dropin, dropin_peers, configured = _member_setup("multimaster.add_peer", peer,
-                                                               kwargs)
-        membership.check_new_peer(peer, __opts__, configured, dropin_peers)
-    except (SaltInvocationError, membership.MembershipError) as exc:
-        return _invalid(str(exc))
-    steps = {}
-    ret = {"peer": peer, "test": test, "steps": steps, "next_steps": []}
-
-    host = _member_host(peer, topology, timeout)
-    try:
-        primary_pub = manifest.sha256_file(layout.master_key_files(__opts__, topology)[1])
-    except OSError:
-        primary_pub = None
-    check = membership.check_host(peer, host, __opts__["id"], primary_pub)
-    steps["check"] = {"result": check["result"], "comment": check["comment"]}
-    if not check["result"]:
-        return _member_done(ret)
-    try:
-        ret["master_entry"] = membership.master_entry(host, address)
-    except membership.MembershipError as exc:
-        steps["check"] = {"result": False, "comment": str(exc)}
-        return _member_done(ret)
-    if not protocol.pull_allowed(__opts__.get("peer_run"), peer):
-        ret["next_steps"].append(
-            f"{peer} may not pull a sync's bulk: a first sync larger than inline_limit is "
-            "refused; apply salt.multimaster.master on this primary (it grants every peer), "
-            "or add:\n" + _member_pull_snippet(peer))
-
-    peers = dropin_peers + [peer]
-    if test:
-        steps["config"] = {"result": None,
-                           "comment": f"{dropin} would list {', '.join(peers)}"}
-        with _member_peers_in_opts(configured + [peer]):
-            synced = sync(peers=peer, test=True)
-    else:
-        try:
-            membership.write_dropin(dropin, peers)
-            loaded = _member_reload_peers()
-        except (OSError, membership.MembershipError) as exc:
-            steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
-            return _member_done(ret)
-        if peer not in loaded:
-            membership.write_dropin(dropin, dropin_peers)
-            _member_reload_peers()
-            steps["config"] = {"result": False, "comment": (
-                f"{dropin} written but Salt does not load {peer} from it (an include of your "
-                "config sets multimaster after master.d?): put back as it was")}
-            return _member_done(ret)
-        steps["config"] = {"result": True, "comment": f"{dropin} lists {', '.join(peers)}"}
-        try:
-            synced = sync(peers=peer)
-        except Exception as exc:  # pylint: disable=broad-except
-            log.exception("multimaster: add_peer: the sync of %s failed", peer)
-            synced = {"error": f"{exc.__class__.__name__}: {exc}"}
-    res = synced.get(peer) if isinstance(synced, dict) else None
-    kept = membership.sync_kept(res, peer)
-    steps["sync"] = {"result": (None if test else True) if kept else False,
-                     "comment": ("replicated" if not test else "would replicate") if kept
-                     else f"not replicated: {(res or synced or {}).get('error')}",
-                     "changes": res}
-    if not kept:
-        if not test:
-            membership.write_dropin(dropin, dropin_peers)
-            _member_reload_peers()
-            steps["config"] = {"result": False, "comment": f"{dropin} put back as it was: "
-                                                           "the sync failed"}
-        return _member_done(ret)
-
-    master = membership.master_step(check["master"], res, test)
-    if master.pop("start"):
-        master.update(_member_start_master(peer, timeout))
-    steps["start"] = master
-    rows, todo = _member_minions(ret["master_entry"], configured + [peer], tgt, tgt_type, True)
-    will = rows.get("will_get", [])
-    steps["minions"] = {"result": True, "minions": rows, "comment": (
-        f"{len(will)} minion(s) will list {ret['master_entry']} after state.apply "
-        f"salt.multimaster: {', '.join(will) or 'none'}")}
-    ret["next_steps"].extend(todo)
-    return _member_done(ret)
-
-
-def _member_pull_snippet(peer):
-    """The ``peer_run`` snippet granting ``peer`` the pull channel."""
-    return protocol.peer_run_snippet([peer])
-
-
-def _member_start_master(peer, timeout):
-    """Start the peer's salt-master through its minion's service manager, and wait for it."""
-    got = _member_client_cmd(peer, "service.available", arg=["salt-master"], timeout=timeout)
-    if got.get(peer) is not True:
-        return {"result": False, "comment": (
-            f"start salt-master on {peer} now (no service manager there knows salt-master): "
-            "the primary's master keys are in place; then salt-run multimaster.status "
-            f"peers={peer}")}
-    _member_client_cmd(peer, "service.start", arg=["salt-master"], timeout=timeout)
-    end = time.monotonic() + PEER_START_WAIT
-    while time.monotonic() < end:
-        host = _member_host(peer, "shared", timeout)
-        if isinstance(host, dict) and host.get("master_pid"):
-            return {"result": True, "comment": f"salt-master started on {peer} (pid "
-                                               f"{host['master_pid']}) with the primary's keys"}
-        time.sleep(2)
-    return {"result": False, "comment": f"salt-master on {peer} did not start within "
-                                        f"{PEER_START_WAIT} s: see its log"}
+    return _member_run("multimaster.add_peer", membership.add_peer, peer, kwargs,
+                       address=address, test=test, tgt=tgt, tgt_type=tgt_type)
 
 
 def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_type="glob",
                 **kwargs):
     """
-    Remove a peer master that add_peer added, once no minion lists it:
+    Take ``peer``, added by add_peer, out of this primary's peers once no
+    minion lists its master: the ``minions`` whose config or pillar still
+    do are named and nothing changes (``force=True`` goes on anyway); then
+    the ``config`` drop-in stops listing it.  Its salt-master is left
+    running: stop it afterwards.
 
-    1. ``minions``: the minions' ``multimaster.audit`` (their config files)
-       and cached pillar ``multimaster:masters``: any minion whose config
-       or pillar still lists the peer's master is named, and nothing is
-       changed (unless ``force=True``): remove it from the pillar, then
-       ``state.apply salt.multimaster`` first;
-    2. ``config``: ``peer`` is taken out of the drop-in
-       ``<master.d>/multimaster-peers.conf`` (removed when empty), so no
-       sync or key event reaches it any more.  A peer listed in your own
-       ``multimaster:peers`` is refused: remove it there.
-
-    The peer's salt-master is left alone: stop it afterwards (``next_steps``).
-    ``test=True`` changes nothing and shows the plan.  ``result`` is False
-    and salt-run exits non-zero when a minion still lists the peer or the
-    peer is still configured.  Without ``--out`` salt-run prints a compact
-    report, a row per step.
-
-    peer
-        The peer's minion id.
-    address
-        How minions name its master (default: asked from the peer host,
-        as add_peer does).
-    force
-        Remove it from the drop-in even while minions still list it.
-    tgt, tgt_type
-        The minions looked at (default every minion).
-    timeout
-        Seconds to wait for the peer's minion (default 30).
+    Arguments, steps and report: docs/add-remove-peer.rst.
 
     CLI Example:
 
@@ -1332,64 +1125,8 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
         salt-run multimaster.remove_peer master03 test=True
         salt-run multimaster.remove_peer master03
     """
-    return _member_output("multimaster.remove_peer",
-                      _member_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs))
-
-
-def _member_remove_peer(peer, address, test, force, tgt, tgt_type, **kwargs):
-
-    try:
-        test = _valid(validate.boolean, "test", test)
-        force = _valid(validate.boolean, "force", force)
-        timeout = _timeout(kwargs.get("timeout") or 30)
-        topology, dropin, dropin_peers, configured = _member_setup("multimaster.remove_peer", peer,
-                                                               kwargs)
-        if peer not in configured:
-            raise membership.MembershipError(
-                f"{peer!r} is no peer of this primary (peers: {', '.join(configured) or 'none'})")
-        if peer not in dropin_peers:
-            raise membership.MembershipError(
-                f"{peer!r} is listed in your own multimaster:peers, not in {dropin}: remove it "
-                "there (add_peer did not add it)")
-        host = None
-        if not address:
-            host = _member_host(peer, topology, timeout)
-            if not isinstance(host, dict) or "master_id" not in host:
-                raise membership.MembershipError(
-                    f"{peer}'s minion did not say its master's address: pass address=<the "
-                    "entry minions list>")
-        entry = membership.master_entry(host or {}, address)
-    except (SaltInvocationError, membership.MembershipError) as exc:
-        return _invalid(str(exc))
-    steps = {}
-    ret = {"peer": peer, "test": test, "master_entry": entry, "steps": steps}
-    rows, todo = _member_minions(entry, configured, tgt, tgt_type, False)
-    listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
-    steps["minions"] = {"result": not listing, "minions": rows, "comment": (
-        f"{len(listing)} minion(s) still list {entry}: {', '.join(listing)}" if listing
-        else f"no minion that answered lists {entry}")}
-    ret["next_steps"] = todo
-    peers = [p for p in dropin_peers if p != peer]
-    if listing and not force:
-        steps["config"] = {"result": False, "comment": f"{peer} kept in {dropin}: minions still "
-                                                       "list it (force=True removes it anyway)"}
-    elif test:
-        steps["config"] = {"result": None, "comment": f"{peer} would be removed from {dropin}"}
-    else:
-        try:
-            membership.write_dropin(dropin, peers)
-            loaded = _member_reload_peers()
-        except (OSError, membership.MembershipError) as exc:
-            steps["config"] = {"result": False, "comment": f"{dropin} not written: {exc}"}
-            return _member_done(ret)
-        steps["config"] = {"result": peer not in loaded, "comment": (
-            f"{peer} removed from {dropin}" if peer not in loaded else
-            f"{peer} removed from {dropin} but still in multimaster:peers of your config: "
-            "remove it there")}
-        if peer not in loaded:
-            ret["next_steps"].append(f"stop salt-master on {peer}: no minion lists it and no "
-                                     "sync reaches it any more")
-    return _member_done(ret)
+    return _member_run("multimaster.remove_peer", membership.remove_peer, peer, kwargs,
+                       address=address, test=test, force=force, tgt=tgt, tgt_type=tgt_type)
 
 
 # ---------------------------------------------------------------------------

@@ -1,17 +1,19 @@
 """
 ``salt_multimaster.membership``: the peers drop-in and how Salt merges it,
-the checks of a new peer, where each minion stands with a master, and the
-runner's add_peer/remove_peer refusing bad input before anything is sent.
+the checks of a new peer, where each minion stands with a master, the steps
+of add_peer/remove_peer against a fake Salt (:class:`membership.SaltOps`),
+and the runner refusing bad input before anything is sent.
 """
 
 import importlib.util
 import os
+import re
 import stat
 
 import pytest
 import salt.config
 
-from salt_multimaster import daemon, membership
+from salt_multimaster import daemon, membership, protocol
 from tests.conftest import REPO
 
 
@@ -225,27 +227,307 @@ def test_master_step(state, res, test, expected):
     assert (ret["result"], ret["start"]) == expected, ret
 
 
-# ----- the runner refuses bad input before anything is sent -------------------
+# ----- the steps, Salt faked ----------------------------------------------------
+class FakeSalt:
+    """
+    The Salt side of the steps: the peer host, the minions and the sync
+    answer as told; the calls are recorded; the clock is fake.
+    """
+
+    def __init__(self, opts):
+        self.opts = opts
+        self.calls = []
+        self.host = _host(interface="10.0.0.3")  # host_check's answer (None: none)
+        self.started_pids = []  # master_pid of the host checks after service.start
+        self.service = "'service.available' is not available."
+        self.accepted = ["master02", "master03", "web01", "web02"]
+        self.audits = {"web01": ["10.0.0.1"], "web02": ["10.0.0.1"]}
+        self.pillars = {"web01": {"multimaster": {"masters": ["10.0.0.1", "10.0.0.3"]}},
+                        "web02": {"multimaster": {"masters": ["10.0.0.1"]}}}
+        self.synced = {"master03": _sync_res(added=["master.pem"])}
+        self.sync_seen = []
+        self.now = 0.0
+        self.slept = []
+
+    def cmd(self, tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
+        self.calls.append((fun, tgt))
+        if fun == "multimaster_peer.host_check":
+            host = self.host
+            if self.started_pids and ("service.start", tgt) in self.calls:
+                host = dict(host, master_pid=self.started_pids.pop(0))
+            return {} if host is None else {tgt: host}
+        if fun == "service.available":
+            return {tgt: self.service}
+        if fun == "service.start":
+            return {tgt: True}
+        if fun == "multimaster.audit":
+            assert tgt_type == "list", tgt_type
+            return {mid: {"masters": self.audits[mid], "findings": []}
+                    for mid in tgt if mid in self.audits}
+        raise AssertionError(fun)
+
+    def minions(self, tgt, tgt_type):
+        self.calls.append(("minions", tgt))
+        return list(self.accepted)
+
+    def cached_pillars(self, minions):
+        return {mid: self.pillars[mid] for mid in minions if mid in self.pillars}
+
+    def sync(self, peers=None, test=False):
+        self.sync_seen.append({"peers": peers, "test": test,
+                               "configured": self.opts["multimaster"]["peers"]})
+        if isinstance(self.synced, Exception):
+            raise self.synced
+        return self.synced
+
+    def sleep(self, seconds):
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def ops(self):
+        return membership.SaltOps(self.opts, cmd=self.cmd, minions=self.minions,
+                                  cached_pillars=self.cached_pillars, sync=self.sync,
+                                  sleep=self.sleep, monotonic=lambda: self.now)
+
+
 @pytest.fixture
-def runner(tmp_path):
+def fake(tmp_path):
+    """A primary master01 with peer master02 (its own master.d) and accepted master03."""
+    conf = _conf_dir(tmp_path, operator="multimaster:\n  peers: [master02]\n")
+    pki = tmp_path / "pki"
+    os.makedirs(pki / "minions")
+    for mid in ("master02", "master03"):
+        (pki / "minions" / mid).write_text("key")
+    (pki / "master.pem").write_text("PEM")
+    (pki / "master.pub").write_text("PUB")
+    fake = FakeSalt(_opts(conf, multimaster={"peers": ["master02"]}))
+    fake.conf = conf
+    fake.dropin = str(conf / "master.d" / "multimaster-peers.conf")
+    return fake
+
+
+PULL_NEXT = ("master03 may not pull a sync's bulk: a first sync larger than inline_limit is "
+             "refused; apply salt.multimaster.master on this primary (it grants every peer), "
+             "or add:\n" + protocol.peer_run_snippet(["master03"]))
+CHECK_STOPPED = {"result": True, "comment": "salt-master on master03 is not running and its "
+                 "ports are free (/etc/salt/master): the keys are placed before its first start"}
+MINIONS_ADD = {"result": True, "minions": {"will_get": ["web01"], "pillar_lacks": ["web02"]},
+               "comment": "1 minion(s) will list 10.0.0.3 after state.apply salt.multimaster: "
+                          "web01"}
+NEXT_ADD = membership.next_steps(MINIONS_ADD["minions"], "10.0.0.3", True)
+
+
+def test_add_peer_test_mode_plans_with_the_peer_and_writes_nothing(fake):
+    fake.synced = {"master03": _sync_res(daemon.not_running_error("master03", "10.0.0.3:4506"),
+                                         added=["master.pem"])}
+    ret = membership.add_peer(fake.ops(), "master03", test=True)
+    assert ret == {
+        "peer": "master03", "test": True, "master_entry": "10.0.0.3", "result": True,
+        "next_steps": [PULL_NEXT] + NEXT_ADD,
+        "steps": {"check": CHECK_STOPPED,
+                  "config": {"result": None, "comment": f"{fake.dropin} would list master03"},
+                  "sync": {"result": None, "comment": "would replicate",
+                           "changes": fake.synced["master03"]},
+                  "start": {"result": None, "comment": "salt-master would start once the "
+                            "primary's master keys are placed (its first start)"},
+                  "minions": MINIONS_ADD}}
+    # the sync's dry run saw the new peer configured; afterwards nothing is
+    assert fake.sync_seen == [{"peers": "master03", "test": True,
+                               "configured": ["master02", "master03"]}]
+    assert fake.opts["multimaster"] == {"peers": ["master02"]}
+    assert not os.path.exists(fake.dropin)
+    # the minions looked at leave the peers' own minions out
+    assert ("multimaster.audit", ["web01", "web02"]) in fake.calls
+
+
+def test_add_peer_stops_at_a_failed_check_and_changes_nothing(fake):
+    fake.host = _host(ports={4505: False, 4506: True})
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret == {"peer": "master03", "test": False, "next_steps": [], "result": False,
+                   "retcode": 1, "steps": {"check": {"result": False, "comment": (
+                       "ports 4506 on master03 are taken by something that is no running "
+                       "salt-master of /etc/salt/master: free them (or fix interface/ports "
+                       "there) first")}}}
+    assert fake.calls == [("multimaster_peer.host_check", "master03")]
+    assert not fake.sync_seen and not os.path.exists(fake.dropin)
+
+
+@pytest.mark.parametrize("synced, error", [
+    ({"master03": {"result": False, "error": "master03's salt-minion did not answer"},
+      "retcode": 1}, "master03's salt-minion did not answer"),
+    (RuntimeError("boom"), "RuntimeError: boom"),
+])
+def test_add_peer_puts_the_dropin_back_when_the_sync_fails(fake, synced, error):
+    fake.opts["peer_run"] = {"master03": ["multimaster.pull"]}
+    fake.synced = synced
+    ret = membership.add_peer(fake.ops(), "master03")
+    res = synced.get("master03") if isinstance(synced, dict) else None
+    assert ret == {
+        "peer": "master03", "test": False, "master_entry": "10.0.0.3", "result": False,
+        "retcode": 1, "next_steps": [],
+        "steps": {"check": CHECK_STOPPED,
+                  "config": {"result": False,
+                             "comment": f"{fake.dropin} put back as it was: the sync failed"},
+                  "sync": {"result": False, "comment": f"not replicated: {error}",
+                           "changes": res}}}
+    # the sync ran with the drop-in in place, then it went
+    assert sorted(fake.sync_seen[0]["configured"]) == ["master02", "master03"]
+    assert not os.path.exists(fake.dropin)
+    assert fake.opts["multimaster"] == {"peers": ["master02"]}
+
+
+def test_add_peer_puts_the_dropin_back_when_salt_does_not_load_it(fake):
+    # an include applied after master.d sets multimaster: the drop-in is hidden
+    (fake.conf / "master").write_text("include: late.conf\n")
+    (fake.conf / "late.conf").write_text("multimaster:\n  peers: [master02]\n")
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret["steps"]["config"] == {"result": False, "comment": (
+        f"{fake.dropin} written but Salt does not load master03 from it (an include of your "
+        "config sets multimaster after master.d?): put back as it was")}
+    assert list(ret["steps"]) == ["check", "config"] and ret["retcode"] == 1
+    assert not fake.sync_seen and not os.path.exists(fake.dropin)
+
+
+def test_add_peer_configures_and_says_to_start_the_master(fake):
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert membership.read_dropin(fake.dropin) == ["master03"]
+    assert sorted(fake.opts["multimaster"]["peers"]) == ["master02", "master03"]
+    assert ret["steps"]["config"] == {"result": True, "comment": f"{fake.dropin} lists master03"}
+    assert ret["steps"]["sync"] == {"result": True, "comment": "replicated",
+                                    "changes": fake.synced["master03"]}
+    assert ret["steps"]["start"] == {"result": False, "comment": (
+        "start salt-master on master03 now (no service manager there knows salt-master): the "
+        "primary's master keys are in place; then salt-run multimaster.status peers=master03")}
+    assert ret["steps"]["minions"] == MINIONS_ADD
+    assert ret["result"] is False and ret["retcode"] == 1
+    assert ("service.start", "master03") not in fake.calls
+
+
+def test_add_peer_starts_the_master_and_waits_for_it(fake):
+    fake.service = True
+    fake.started_pids = [None, None, 4242]
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret["steps"]["start"] == {"result": True, "comment": (
+        "salt-master started on master03 (pid 4242) with the primary's keys")}
+    assert ret["result"] is True and "retcode" not in ret
+    assert fake.slept == [membership.PEER_START_POLL] * 2
+
+
+def test_add_peer_gives_up_on_a_master_that_does_not_start(fake):
+    fake.service = True
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret["steps"]["start"] == {"result": False, "comment": (
+        f"salt-master on master03 did not start within {membership.PEER_START_WAIT} s: see its "
+        "log")}
+    assert sum(fake.slept) == membership.PEER_START_WAIT and ret["retcode"] == 1
+
+
+@pytest.fixture
+def added(fake):
+    """master03 in the drop-in, its master listed by web01's config (10.0.0.3)."""
+    membership.write_dropin(fake.dropin, ["master03"])
+    fake.opts["multimaster"] = {"peers": ["master02", "master03"]}
+    fake.audits["web01"] = ["10.0.0.1", "10.0.0.3"]
+    fake.pillars["web01"] = {"multimaster": {"masters": ["10.0.0.1"]}}
+    return fake
+
+
+def test_remove_peer_refuses_while_a_minion_lists_it(added):
+    ret = membership.remove_peer(added.ops(), "master03")
+    rows = {"still_lists": ["web01"], "clean": ["web02"]}
+    assert ret == {
+        "peer": "master03", "test": False, "master_entry": "10.0.0.3", "result": False,
+        "retcode": 1, "next_steps": membership.next_steps(rows, "10.0.0.3", False),
+        "steps": {"minions": {"result": False, "minions": rows,
+                              "comment": "1 minion(s) still list 10.0.0.3: web01"},
+                  "config": {"result": False, "comment": f"master03 kept in {added.dropin}: "
+                             "minions still list it (force=True removes it anyway)"}}}
+    assert membership.read_dropin(added.dropin) == ["master03"]
+
+
+def test_remove_peer_test_mode_changes_nothing(added):
+    added.audits["web01"] = ["10.0.0.1"]
+    ret = membership.remove_peer(added.ops(), "master03", address="10.0.0.3", test=True)
+    assert ret == {
+        "peer": "master03", "test": True, "master_entry": "10.0.0.3", "result": True,
+        "next_steps": [],
+        "steps": {"minions": {"result": True, "minions": {"clean": ["web01", "web02"]},
+                              "comment": "no minion that answered lists 10.0.0.3"},
+                  "config": {"result": None,
+                             "comment": f"master03 would be removed from {added.dropin}"}}}
+    assert membership.read_dropin(added.dropin) == ["master03"]
+    # address given: the peer host is not asked
+    assert ("multimaster_peer.host_check", "master03") not in added.calls
+
+
+def test_remove_peer_force_takes_it_out_and_still_fails(added):
+    ret = membership.remove_peer(added.ops(), "master03", force=True)
+    assert ret["steps"]["config"] == {"result": True,
+                                      "comment": f"master03 removed from {added.dropin}"}
+    assert ret["next_steps"][-1] == ("stop salt-master on master03: no minion lists it and no "
+                                     "sync reaches it any more")
+    assert ret["result"] is False and ret["retcode"] == 1
+    assert not os.path.exists(added.dropin)
+    assert added.opts["multimaster"] == {"peers": ["master02"]}
+
+
+def test_remove_peer_says_when_the_dropin_is_not_written(added, monkeypatch):
+    def fail(path, peers):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(membership, "write_dropin", fail)
+    added.audits["web01"] = ["10.0.0.1"]
+    ret = membership.remove_peer(added.ops(), "master03")
+    assert ret["steps"]["config"] == {"result": False, "comment": (
+        f"{added.dropin} not written: [Errno 13] Permission denied: '{added.dropin}'")}
+    assert ret["result"] is False and ret["retcode"] == 1
+    assert added.opts["multimaster"] == {"peers": ["master02", "master03"]}
+
+
+def test_remove_peer_needs_the_address_of_a_silent_peer(added):
+    added.host = None
+    with pytest.raises(membership.MembershipError, match="pass address=<the entry"):
+        membership.remove_peer(added.ops(), "master03")
+    assert membership.read_dropin(added.dropin) == ["master03"]
+
+
+@pytest.mark.parametrize("steps, peer, message", [
+    (membership.add_peer, None, "name the peer"),
+    (membership.add_peer, "master02", "is already a peer"),
+    (membership.add_peer, "master09", "is not an accepted minion"),
+    (membership.remove_peer, "master07", "'master07' is no peer of this primary"),
+    (membership.remove_peer, "master02", "listed in your own multimaster:peers"),
+])
+def test_steps_refuse_before_anything_is_sent(fake, steps, peer, message):
+    with pytest.raises(membership.MembershipError, match=re.escape(message)):
+        steps(fake.ops(), peer)
+    assert fake.calls == [] and not fake.sync_seen
+
+
+# ----- the runner: its input checked before anything is sent -------------------
+@pytest.fixture
+def runner(fake, monkeypatch):
     spec = importlib.util.spec_from_file_location("mm_runner_membership",
                                                   REPO / "_runners" / "multimaster.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    conf = _conf_dir(tmp_path, operator="multimaster:\n  peers: [master02]\n")
-    os.makedirs(tmp_path / "pki" / "minions")
-    for mid in ("master02", "master03"):
-        (tmp_path / "pki" / "minions" / mid).write_text("key")
-    mod.__opts__ = _opts(conf, pki_dir=str(tmp_path / "pki"), cachedir=str(tmp_path / "c"),
-                         multimaster={"peers": ["master02"]})
+    mod.__opts__ = fake.opts
     mod.__context__ = {}
+    built = []
 
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"sent with bad input: {args} {kwargs}")
 
-    mod._member_client_cmd = nothing_sent
-    mod.sync = nothing_sent
-    mod.conf = conf
+    class Refusing(membership.SaltOps):
+        """The runner's Salt: every call fails the test."""
+
+        def __init__(self, opts, **salt_calls):
+            built.append(sorted(salt_calls))
+            super().__init__(opts, **{name: nothing_sent for name in salt_calls})
+
+    monkeypatch.setattr(membership, "SaltOps", Refusing)
+    mod.built = built
+    mod.dropin = fake.dropin
     return mod
 
 
@@ -255,21 +537,26 @@ def runner(tmp_path):
     ("add_peer", ["master01"], {}, "is this primary master itself"),
     ("add_peer", ["master09"], {}, "is not an accepted minion"),
     ("add_peer", ["master03"], {"test": "maybe"}, "test"),
+    ("add_peer", ["master03"], {"timeout": "soon"}, "timeout"),
     ("add_peer", ["master03"], {"tset": True}, "unknown argument(s) tset"),
     ("remove_peer", ["master07"], {}, "'master07' is no peer of this primary"),
     ("remove_peer", ["master02"], {}, "listed in your own multimaster:peers"),
+    ("remove_peer", ["master02"], {"force": "maybe"}, "force"),
 ])
 def test_runner_refuses(runner, fun, args, kwargs, message):
     ret = getattr(runner, fun)(*args, **kwargs)
-    assert ret["result"] is False and ret["retcode"] == 1, ret
+    assert ret == {"result": False, "error": ret["error"], "retcode": 1}
     assert message in ret["error"]
-    assert not (runner.conf / "master.d" / "multimaster-peers.conf").exists()
+    assert runner.__context__ == {"retcode": 1}
+    assert not os.path.exists(runner.dropin)
 
 
-def test_runner_refuses_a_main_file_block(runner):
-    (runner.conf / "master").write_text("multimaster:\n  peers: [master02]\n")
+def test_runner_refuses_a_main_file_block(runner, fake):
+    (fake.conf / "master").write_text("multimaster:\n  peers: [master02]\n")
     ret = runner.add_peer("master03")
     assert "hide your whole multimaster block" in ret["error"], ret
+    # the runner's Salt calls were all handed over, none made
+    assert runner.built == [["cached_pillars", "cmd", "minions", "sync"]]
 
 
 def test_report_rows():
@@ -291,72 +578,6 @@ def test_report_rows():
     assert rows["result"] == "planned (test run)" and rows["retcode"] == 0
     assert membership.report_rows({"result": False, "error": "bad", "retcode": 1}) == {
         "error": "bad", "retcode": 1}
-
-
-# ----- the runner's steps, the peer and the minions stubbed ----------------------
-@pytest.fixture
-def flow(runner, tmp_path):
-    """add_peer of master03 (accepted, stopped master) with the calls stubbed."""
-    calls = []
-
-    def client_cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
-        calls.append(fun)
-        if fun == "multimaster_peer.host_check":
-            return {tgt: _host(interface="10.0.0.3")}
-        if fun == "service.available":
-            return {tgt: "'service.available' is not available."}
-        raise AssertionError(fun)
-
-    runner._member_client_cmd = client_cmd
-    runner._member_minions = lambda *args: ({"will_get": ["web01"]}, ["apply the formula"])
-    runner.calls = calls
-    runner.dropin = runner.conf / "master.d" / "multimaster-peers.conf"
-    pem, pub = tmp_path / "pki" / "master.pem", tmp_path / "pki" / "master.pub"
-    pem.write_text("PEM")
-    pub.write_text("PUB")
-    return runner
-
-
-def test_add_peer_test_mode_plans_with_the_peer_and_writes_nothing(flow):
-    seen = {}
-
-    def sync(peers=None, test=False):
-        seen.update(peers=peers, test=test, configured=flow.__opts__["multimaster"]["peers"])
-        return {"master03": _sync_res(daemon.not_running_error("master03", "10.0.0.3:4506"),
-                                      added=["master.pem"])}
-
-    flow.sync = sync
-    ret = flow.add_peer("master03", test=True)
-    assert seen == {"peers": "master03", "test": True, "configured": ["master02", "master03"]}
-    assert flow.__opts__["multimaster"] == {"peers": ["master02"]}
-    assert not flow.dropin.exists()
-    assert ret["result"] is True and "retcode" not in ret, ret
-    assert [s["result"] for s in ret["steps"].values()] == [True, None, None, None, True]
-    assert ret["master_entry"] == "10.0.0.3"
-
-
-def test_add_peer_puts_the_dropin_back_when_the_sync_fails(flow):
-    flow.sync = lambda peers=None, test=False: {
-        "master03": {"result": False, "error": "master03's salt-minion did not answer"},
-        "retcode": 1}
-    ret = flow.add_peer("master03")
-    assert ret["retcode"] == 1 and ret["result"] is False
-    assert ret["steps"]["sync"]["result"] is False
-    assert "put back as it was" in ret["steps"]["config"]["comment"]
-    assert not flow.dropin.exists()
-    assert flow.__opts__["multimaster"]["peers"] == ["master02"]
-
-
-def test_add_peer_configures_and_says_to_start_the_master(flow):
-    flow.sync = lambda peers=None, test=False: {"master03": _sync_res(
-        daemon.not_running_error("master03", "10.0.0.3:4506"), added=["master.pem"])}
-    ret = flow.add_peer("master03")
-    assert membership.read_dropin(str(flow.dropin)) == ["master03"]
-    assert sorted(flow.__opts__["multimaster"]["peers"]) == ["master02", "master03"]
-    assert ret["steps"]["sync"]["result"] is True
-    assert ret["steps"]["start"]["result"] is False
-    assert "start salt-master on master03 now" in ret["steps"]["start"]["comment"]
-    assert ret["retcode"] == 1 and flow.calls[-1] == "service.available"
 
 
 def test_pillar_masters():
