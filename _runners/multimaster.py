@@ -886,35 +886,10 @@ def _status(peers, **kwargs):
     for peer in peers:
         inv, error = invs[peer]
         pullable = protocol.pull_allowed(__opts__.get("peer_run"), peer)
-        if error:
-            ret[peer] = {"reachable": False, "in_sync": False, "pull_allowed": pullable,
-                         "error": error}
-            continue
-        _, plan_report = sync_core.plan(conf["topology"], all_cats, primary, inv, False)
-        drift = sync_core.drift(plan_report, categories)
-        ret[peer] = {
-            "reachable": True,
-            "master_finger": {"primary": primary_finger,
-                              "peer": inv["master_keys"].get("fingerprint")},
-            "minion_keys": {"primary": primary["minion_keys"]["counts"],
-                            "peer": inv["minion_keys"].get("counts", {})},
-            "drift": drift,
-            "in_sync": not any(sum(d.values()) for d in drift.values()),
-            # whether bulk (an initial sync) can reach this peer at all
-            "pull_allowed": pullable,
-            "master_running": inv.get("master_running"),
-            "restart_pending": inv.get("restart_pending"),
-        }
-        if inv.get("restart_pending"):
-            ret[peer]["in_sync"] = False
-        if inv.get("master_running") is False:
-            ret[peer]["in_sync"] = False
-            ret[peer]["error"] = daemon.not_running_error(peer, inv.get("master_address"))
-        if not pullable:
-            ret[peer]["pull_config"] = protocol.peer_run_snippet([peer])
-        errors = [e for cat in categories for e in plan_report[cat]["errors"]]
-        if errors:
-            ret[peer]["errors"] = errors
+        ret[peer] = ({"reachable": False, "in_sync": False, "pull_allowed": pullable,
+                      "error": error} if error else
+                     sync_core.peer_status(peer, inv, primary, categories, conf["topology"],
+                                           primary_finger, pullable))
     if not all(r.get("reachable") and r.get("master_running") is not False
                for r in ret.values()):
         __context__["retcode"] = 1

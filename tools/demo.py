@@ -57,6 +57,16 @@ def answers(cluster, master):
     return sorted(k for k, v in data.items() if v is True), ret
 
 
+def all_answer(cluster, master, name):
+    """Wait for every demo minion on ``master``, show who answers: True when all 3 do."""
+    for minion in cluster.minions:
+        cluster.wait_ping(master, minion.id, deadline=120)
+    ok, ret = answers(cluster, master)
+    show(f"salt -c {master.config_dir} 'demo-minion*' test.ping", ret)
+    print(f"    {len(ok)} of 3 minions answer {name}.")
+    return len(ok) == 3
+
+
 def plant_faults(cluster, minion, primary):
     """A duplicate master entry (seed 002) and a stale cached master key."""
     from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
@@ -232,12 +242,7 @@ def add_peer_act(cluster, factories, primary):
     print(f"    state.apply exit code {ret.returncode}")
     for minion in cluster.minions:
         cluster.restart(minion)
-    for minion in cluster.minions:
-        cluster.wait_ping(new, minion.id, deadline=120)
-    ok, ret = answers(cluster, new)
-    show(f"salt -c {new.config_dir} 'demo-minion*' test.ping", ret)
-    print(f"    {len(ok)} of 3 minions answer the new master.")
-    return len(ok) == 3
+    return all_answer(cluster, new, "the new master")
 
 
 def main():
@@ -313,11 +318,7 @@ def main():
                 "in this sandbox, so the sync said restart_required and exited non-zero, "
                 "as a scheduled sync would alert): restarting it.")
             cluster.restart(peer)
-            for minion in cluster.minions:
-                cluster.wait_ping(peer, minion.id, deadline=120)
-            ok, ret = answers(cluster, peer)
-            show(f"salt -c {peer.config_dir} 'demo-minion*' test.ping", ret)
-            print(f"    {len(ok)} of 3 minions answer the peer.")
+            all_answer(cluster, peer, "the peer")
 
             say("A second sync has nothing to do:")
             plain(primary, "multimaster.sync")

@@ -248,6 +248,39 @@ def drift(report, categories):
             for cat in categories}
 
 
+def peer_status(peer, inv, primary, categories, topology, primary_finger, pullable):
+    """
+    One peer's ``multimaster.status`` row, from its inventory ``inv`` against
+    the primary's state (planned over ``categories`` plus the master and
+    minion keys, whose fingerprints and counts it shows).
+    """
+    all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
+    _, plan_report = plan(topology, all_cats, primary, inv, False)
+    counts = drift(plan_report, categories)
+    row = {
+        "reachable": True,
+        "master_finger": {"primary": primary_finger,
+                          "peer": inv["master_keys"].get("fingerprint")},
+        "minion_keys": {"primary": primary["minion_keys"]["counts"],
+                        "peer": inv["minion_keys"].get("counts", {})},
+        "drift": counts,
+        "in_sync": not any(sum(d.values()) for d in counts.values())
+        and not inv.get("restart_pending") and inv.get("master_running") is not False,
+        # whether bulk (an initial sync) can reach this peer at all
+        "pull_allowed": pullable,
+        "master_running": inv.get("master_running"),
+        "restart_pending": inv.get("restart_pending"),
+    }
+    if inv.get("master_running") is False:
+        row["error"] = daemon.not_running_error(peer, inv.get("master_address"))
+    if not pullable:
+        row["pull_config"] = protocol.peer_run_snippet([peer])
+    errors = [e for cat in categories for e in plan_report[cat]["errors"]]
+    if errors:
+        row["errors"] = errors
+    return row
+
+
 # ---------------------------------------------------------------------------
 # Contents: how they travel, attached, pulled
 # ---------------------------------------------------------------------------

@@ -15,18 +15,14 @@ import pytest
 import salt.payload
 import salt.utils.yaml
 
-from tests.support.cluster import started_with_pull
+from tests.support.cluster import pull_cluster
 
 pytestmark = pytest.mark.daemons
 
 FILES = 3000
 
 
-@pytest.fixture(scope="module")
-def cluster(cluster_factory):
-    cluster = started_with_pull(cluster_factory, "ded")
-    yield cluster
-    cluster.stop()
+cluster = pull_cluster("ded")
 
 
 def _running(minion, fun):

@@ -12,18 +12,14 @@ import sys
 
 import pytest
 
-from tests.support.cluster import started_with_pull
+from tests.support.cluster import pull_cluster
 
 pytestmark = pytest.mark.daemons
 
 FILES = 600
 
 
-@pytest.fixture(scope="module")
-def cluster(cluster_factory):
-    cluster = started_with_pull(cluster_factory, "prg")
-    yield cluster
-    cluster.stop()
+cluster = pull_cluster("prg")
 
 
 def _salt_run(cluster, *args):

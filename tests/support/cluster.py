@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import salt.config
 import salt.payload
 import salt.utils.yaml
@@ -435,7 +436,7 @@ def run(cmd, **kwargs):
 
 
 
-def started_with_pull(cluster_factory, name):
+def _started_with_pull(cluster_factory, name):
     """
     A started cluster of one peer and no plain minion whose primary grants
     the pull channel (``peer_run``) and lists the peer in
@@ -451,4 +452,21 @@ def started_with_pull(cluster_factory, name):
         {"multimaster": {"peers": [m.id for m in cluster.peer_minions]}}))
     cluster.start()
     assert cluster.wait_ping(cluster.primary, cluster.peer_minions[0].id)
+    return cluster
+
+
+def pull_cluster(name):
+    """
+    A module-scoped ``cluster`` fixture: one peer and no plain minion, the
+    primary granting the pull channel (``peer_run``) and listing the peer
+    in ``master.d/multimaster.conf`` (the setting of a large sync); stopped
+    after the module.  In a test module: ``cluster = pull_cluster("abc")``.
+    """
+
+    @pytest.fixture(scope="module")
+    def cluster(cluster_factory):
+        started = _started_with_pull(cluster_factory, name)
+        yield started
+        started.stop()
+
     return cluster
