@@ -639,9 +639,14 @@ class KeysSnapshot:
         self.errors = [e for state in KEY_STATES for e in errors[state]]
         if self._stamps() != stamps:
             return  # a key dir changed while it was listed: list it again next time
-        self.meta = {"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
-                     "digest": self.digest, "counts": self.counts, "errors": errors,
-                     "damaged": damaged}
+        # what was remembered of these keys (remember()) holds while they are
+        # the same: a key dir listed again only because it changed moments
+        # before the last listing (RACY_NS) keeps it
+        kept = {k: v for k, v in self.meta.items() if k not in _SCAN_FIELDS} if (
+            self.meta.get("digest") == self.digest) else {}
+        self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
+                                  "digest": self.digest, "counts": self.counts,
+                                  "errors": errors, "damaged": damaged})
         fsutil.makedirs(self.state_dir, mode=0o700)
         fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600)
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
@@ -679,6 +684,9 @@ class KeysSnapshot:
             return
         self.meta.update(fields)
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
+
+
+_SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "digest", "counts", "errors", "damaged")
 
 
 class _Lazy:

@@ -178,6 +178,27 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     assert not rescanned.reused and rescanned.hashed == 1  # every key statted, only junk read
 
 
+def test_what_was_remembered_of_the_keys_holds_while_they_are_the_same(tmp_path):
+    """
+    The peer's history record is stamped in the key snapshot
+    (``history_recorded``): listing the keys again because they changed a
+    moment before the last listing keeps it; a real change drops it (else
+    every sync after a key change would cost the primary one more publish,
+    to record a history that was recorded).
+    """
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    (pki / "minions").mkdir(parents=True)
+    state.mkdir()
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    snap = manifest.KeysSnapshot(str(pki), str(state))
+    snap.remember(history=[1, 2, 3])
+    again = manifest.KeysSnapshot(str(pki), str(state))  # within 2 s: listed again
+    assert not again.reused and again.meta["history"] == [1, 2, 3]
+    (pki / "minions" / "web2").write_bytes(gen_keypair(1024)[1])
+    changed = manifest.KeysSnapshot(str(pki), str(state))
+    assert changed.digest != snap.digest and "history" not in changed.meta
+
+
 def test_keys_snapshot_with_a_damaged_manifest_lists_again(tmp_path):
     pki, state = tmp_path / "pki", tmp_path / "state"
     (pki / "minions").mkdir(parents=True)
