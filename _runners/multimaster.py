@@ -47,13 +47,13 @@ __virtualname__ = "multimaster"
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "jobs", "layout", "lock", "manifest",
                                   "membership", "protocol", "replicate", "report", "rotation",
-                                  "seal", "validate")}
+                                  "validate")}
 _CORE["sync_core"] = "sync"
 
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, jobs, layout, lock, manifest, membership,
-                                  protocol, replicate, report, rotation, seal, validate)
+                                  protocol, replicate, report, rotation, validate)
     # the public function sync() takes the module's name
     from salt_multimaster import sync as sync_core
 
@@ -1105,140 +1105,40 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
 
 
 # ---------------------------------------------------------------------------
-# Master key rotation (salt-run multimaster.rotate_key).  Everything below
-# this line belongs to the rotation: it calls the public status() above and
-# salt_multimaster.rotation, nothing else of this runner.
+# Master key rotation (salt-run multimaster.rotate_key): the input, the lock and
+# the Salt side (rotation.SaltOps) of the steps in salt_multimaster.rotation.
 # ---------------------------------------------------------------------------
-ROTATE_POLL = 2
-
-
 def _rot_invalid(message):
     """Bad input or a refused rotation: nothing changed, a non-zero exit."""
-    log.error("multimaster: %s", message)
-    return {"result": False, "error": message, "retcode": 1}
+    return dict(rotation.refused(message), retcode=1)
 
 
-def _rot_job(tgt, tgt_type, fun, kwarg, timeout):
-    """
-    ``{id: return}`` of ``fun`` on the targeted minions, within ``timeout``
-    seconds whatever happens: a minion that lost its return (reconnecting to
-    a restarted master) is not waited for beyond it.
-    """
-    client = _client()
-    try:
-        pub = client.run_job(tgt, fun, kwarg=kwarg, tgt_type=tgt_type, timeout=timeout,
-                             listen=True)
-        return _returns(client, pub, tgt, tgt_type, timeout)
-    finally:
-        client.destroy()
-
-
-def _rot_call(peer, fun, kwarg, timeout):
-    """
-    One peer's reply to ``fun`` (its arguments sealed to it), None when it did
-    not answer, or ``{"result": False, "error": ...}`` (refused, or another
-    protocol version).
-    """
-    sealed = protocol.sealed_kwarg({peer: sync_core.peer_pub(__opts__, peer)}, fun,
-                                   protocol.request(fun, **kwarg))
-    got = _rot_job([peer], "list", fun, sealed, timeout).get(peer)
+def _rot_call_peer(peer, fun, kwarg, timeout):
+    """One peer's reply to ``fun``, its arguments sealed to it (``SaltOps.call_peer``)."""
+    got = _Job([peer], fun, protocol.request(fun, **kwarg), timeout).wait().get(peer)
     if got is None:
         return None
     reply, error = protocol.check_reply(peer, fun, got)
     return {"result": False, "error": error} if error else reply
 
 
-def _rot_minions(tgt, tgt_type, fun, kwarg, timeout, only=None):
-    """``(expected ids, {id: return})`` of ``fun`` on the targeted minions."""
-    if only is not None:
-        tgt, tgt_type, expected = list(only), "list", list(only)
-    else:
-        expected = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
-        expected = expected.get("minions", []) if isinstance(expected, dict) else []
-    return expected, (_rot_job(tgt, tgt_type, fun, kwarg, timeout) if expected else {})
-
-
-def _rot_peer(peer, step, ctx):
-    """Rotate one peer: new key, restart, wait until it serves it.  Error or None."""
-    restart = None
-    if step["state"] == rotation.PENDING:
-        kwarg = {"topology": ctx["topology"], "restart_cmd": ctx["restart_cmd"]}
-        if ctx["topology"] == "shared":
-            with open(os.path.join(__opts__["pki_dir"], "minions", peer), encoding="utf-8") as fh:
-                kwarg["keypair"] = {"pub": ctx["pub"].decode(), "sealed": seal.seal(
-                    fh.read(), ctx["priv"], peer, "rotate_key/master.pem")}
-        got = _rot_call(peer, "multimaster_peer.rotate_key", kwarg, ctx["timeout"])
-        if not isinstance(got, dict) or not got.get("result"):
-            return (f"{peer}: no new key: "
-                    + (got.get("error", str(got)) if isinstance(got, dict)
-                       else "its salt-minion did not answer (start it, check salt-run "
-                            "manage.status), then run salt-run multimaster.rotate_key again"))
-        step.update(state=rotation.WRITTEN, old=got["old"], new=got["new"], backup=got["backup"])
-        ctx["save"]()
-        restart = got["restart"]
-    return _rot_wait(peer, step, ctx, restart)
-
-
-def _rot_peer_serving(peer, step, ctx):
-    """``(serving, detail)`` of a peer after its key write."""
-    got = _rot_call(peer, "multimaster_peer.inventory",
-                    {"categories": ["master_keys"], "topology": "shared", "test": True},
-                    ctx["timeout"])
-    if not isinstance(got, dict) or "master_keys" not in got:
-        return False, "its salt-minion did not answer"
-    if got["master_keys"].get("fingerprint") != step["new"]:
-        return False, (f"its key on disk is {got['master_keys'].get('fingerprint')}, not the "
-                       f"new {step['new']} (restored or replaced since?)")
-    if not got.get("master_running"):
-        return False, f"its salt-master does not answer on {got.get('master_address')}"
-    if got.get("restart_pending") is not False:
-        return False, "its salt-master still runs with the old key (not restarted since)"
-    return True, None
-
-
-def _rot_wait(name, step, ctx, restart):
+def _rot_minions(tgt, tgt_type, fun, kwarg, timeout):
     """
-    Wait until master ``name`` serves its new key (asking for a restart when
-    none was asked in this run); mark the step serving.  Error or None.
+    ``(expected ids, {id: return})`` of ``fun`` on the targeted minions,
+    within ``timeout`` seconds whatever happens: a minion that lost its
+    return (reconnecting to a restarted master) is not waited for beyond it.
     """
-    is_primary = name == ctx["primary"]
-    check = ((lambda: _rot_primary_serving(step)) if is_primary
-             else (lambda: _rot_peer_serving(name, step, ctx)))
-    if restart is None:
-        ok, detail = check()
-        if ok:
-            step["state"] = rotation.SERVING
-            ctx["save"]()
-            return None
-        if is_primary:
-            restart = _rot_restart_primary(ctx)
-        else:
-            got = _rot_call(name, "multimaster_peer.rotate_key",
-                            {"topology": ctx["topology"], "restart_only": True,
-                             "restart_cmd": ctx["restart_cmd"]}, ctx["timeout"])
-            restart = got.get("restart") if isinstance(got, dict) else None
-            if not restart:
-                return f"{name}: {detail}; its salt-minion did not answer the restart"
-    step["restart"] = restart
-    if restart == "restart_required":
-        return rotation.restart_remedy(name, restart)
-    deadline = time.monotonic() + ctx["restart_wait"]
-    detail = None
-    while time.monotonic() < deadline:
-        time.sleep(ROTATE_POLL)
-        try:
-            ok, detail = check()
-        except Exception as exc:  # pylint: disable=broad-except
-            # the primary's own restart: its sockets go away for a while
-            ok, detail = False, f"{exc.__class__.__name__}: {exc}"
-        if ok:
-            step["state"] = rotation.SERVING
-            step.pop("restart", None)
-            ctx["save"]()
-            if is_primary:
-                _rot_reconnect_events()
-            return None
-    return rotation.restart_remedy(name, f"after {ctx['restart_wait']} s: {detail}")
+    expected = salt.utils.minions.CkMinions(__opts__).check_minions(tgt, tgt_type)
+    expected = expected.get("minions", []) if isinstance(expected, dict) else []
+    if not expected:
+        return expected, {}
+    client = _client()
+    try:
+        pub = client.run_job(tgt, fun, kwarg=kwarg, tgt_type=tgt_type, timeout=timeout,
+                             listen=True)
+        return expected, _returns(client, pub, tgt, tgt_type, timeout)
+    finally:
+        client.destroy()
 
 
 def _rot_reconnect_events():
@@ -1247,107 +1147,24 @@ def _rot_reconnect_events():
     to the master event bus is gone (Salt 3006 dies firing the job's return
     on it, StreamClosedError).  Drop it: the next event connects again.
     """
-    jid_event = globals().get("__jid_event__")
     try:
-        jid_event.event.close_pull()
+        globals().get("__jid_event__").event.close_pull()
     except Exception as exc:  # pylint: disable=broad-except
         log.debug("multimaster: event connection not reset: %s", exc)
 
 
-def _rot_primary_serving(step):
-    if rotation.current_finger(__opts__) != step["new"]:
-        return False, f"its key on disk is not the new {step['new']} (restored or replaced since?)"
-    return rotation.serving(__opts__, os.path.join(layout.state_dir(__opts__),
-                                                   daemon.RESTART_MARKER))
-
-
-def _rot_restart_primary(ctx):
-    booted = not ctx["restart_cmd"] and salt.utils.systemd.booted({})
-    return rotation.restart_primary(layout.state_dir(__opts__), ctx["restart_cmd"], booted)
-
-
-def _rot_primary(step, ctx):
-    """Rotate the primary itself (last): new key, restart, wait.  Error or None."""
-    restart = None
-    if step["state"] == rotation.PENDING:
-        try:
-            if ctx["topology"] == "shared":
-                priv, pub = ctx["priv"], ctx["pub"]
-            else:
-                priv, pub = rotation.gen_keypair(__opts__.get("keysize") or rotation.DEFAULT_KEYSIZE)
-            done = rotation.install(__opts__, priv, pub, rotation.backup_root(__opts__))
-        except (rotation.RotationError, OSError, ValueError) as exc:
-            return f"{ctx['primary']}: no new key: {exc}"
-        step.update(state=rotation.WRITTEN, old=done["old"], new=done["new"],
-                    backup=done["backup"])
-        ctx["save"]()
-        if ctx["topology"] == "shared":
-            rotation.drop_stage(layout.state_dir(__opts__))
-        restart = _rot_restart_primary(ctx)
-    return _rot_wait(ctx["primary"], step, ctx, restart)
-
-
-def _rot_tell_minions(step, ctx):
-    """topology shared: every targeted minion now trusts the new public key."""
-    expected, got = _rot_minions(
-        ctx["tgt"], ctx["tgt_type"], "multimaster.master_key_apply",
-        {"contents": ctx["pub"].decode(), "master_finger": ctx["new_finger"],
-         "topology": "shared"}, ctx["timeout"])
-    told = sorted(m for m, r in got.items() if isinstance(r, dict) and r.get("expected"))
-    step.update(state=rotation.SERVING, told=len(told),
-                not_told=sorted(set(expected) - set(told)))
-    ctx["save"]()
-
-
-def _rot_verify(ctx, record):
-    """``{id: {"reason", "remedy"}}`` of the targeted minions not trusting the new key."""
-    kwarg = {"master_finger": ctx["expect_finger"], "topology": ctx["topology"]}
-    expected, got = _rot_minions(ctx["tgt"], ctx["tgt_type"], "multimaster.audit", kwarg,
-                                 ctx["timeout"])
-    verdicts = {mid: rotation.minion_verdict(got.get(mid)) for mid in expected}
-    deadline = time.monotonic() + ctx["verify_wait"]
-    while any(verdicts.values()) and time.monotonic() < deadline:
-        # minions reconnect to a restarted master after a while: ask again
-        time.sleep(ROTATE_POLL)
-        again = sorted(m for m, v in verdicts.items() if v)
-        _, more = _rot_minions(None, None, "multimaster.audit", kwarg, ctx["timeout"], only=again)
-        for mid in again:
-            verdicts[mid] = rotation.minion_verdict(more.get(mid))
-    unconfirmed = {mid: {"reason": reason,
-                         "remedy": rotation.remedy(mid, ctx["topology"], ctx["new_finger"])}
-                   for mid, reason in sorted(verdicts.items()) if reason}
-    record["unconfirmed"] = sorted(unconfirmed)
-    return sorted(m for m, v in verdicts.items() if not v), unconfirmed
-
-
-def _rot_checks(conf_peers, topology, fresh_start):
-    """Errors that stop a rotation before it changes anything: peers down, keys not in step."""
-    for _ in range(3):
-        errors = _rot_status_errors(conf_peers, topology, fresh_start)
-        if not errors:
-            break
-        # a peer's minion reconnecting to a master restarted a moment ago
-        time.sleep(5)
-    return errors
-
-
-def _rot_status_errors(conf_peers, topology, fresh_start):
-    st = status(peers=",".join(conf_peers), topology=topology, replicate="master_keys")
-    if not isinstance(st, dict):
-        return [f"multimaster.status failed: {st}"]
-    if "error" in st and "result" in st:
-        return [st["error"]]
-    errors = []
-    for peer in conf_peers:
-        res = st.get(peer) or {}
-        if not res.get("reachable") or res.get("master_running") is False:
-            errors.append(f"{peer}: {res.get('error') or 'not reachable'}")
-        elif (topology == "signed" or fresh_start) and any(
-                (res.get("drift") or {}).get("master_keys", {}).values()):
-            errors.append(f"{peer}: its {'master_sign' if topology == 'signed' else 'master'} "
-                          "keypair differs from the primary's: run salt-run multimaster.sync "
-                          f"only=master_keys topology={topology} first")
-    return errors
+def _rot_salt():
+    """What the rotation asks of Salt on this master (``rotation.SaltOps``)."""
+    state_dir = layout.state_dir(__opts__)
+    return rotation.SaltOps(
+        __opts__, call_peer=_rot_call_peer, minions=_rot_minions,
+        status=lambda peers, topology: status(peers=",".join(peers), topology=topology,
+                                              replicate="master_keys"),
+        restart_primary=lambda cmd: rotation.restart_primary(
+            state_dir, cmd, not cmd and salt.utils.systemd.booted({})),
+        primary_serving=lambda: rotation.serving(
+            __opts__, os.path.join(state_dir, daemon.RESTART_MARKER)),
+        reconnect_events=_rot_reconnect_events)
 
 
 def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_type="glob",
@@ -1422,93 +1239,15 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
         return _rot_invalid(f"multimaster.rotate_key: restart_cmd must be a command, not {restart_cmd!r}")
     if not conf_peers:
         return _rot_invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass peers=")
-    state_dir = layout.state_dir(__opts__)
-    primary = __opts__["id"]
-    record = None if fresh else rotation.load_record(state_dir)
-    if record:
-        reason = rotation.resumable(record, topology, conf_peers, primary)
-        if reason:
-            return _rot_invalid(f"multimaster.rotate_key: {reason}")
-    errors = _rot_checks(conf_peers, topology, record is None)
-    resumed = record is not None
-    record = record or rotation.new_record(topology, conf_peers, primary)
-    ret = {"result": not errors, "topology": topology, "test": test, "resumed": resumed,
-           "started": record["started"], "plan": rotation.plan(record)}
-    if errors or test:
-        if errors:
-            ret["error"] = "; ".join(errors)
-            ret["retcode"] = 1
-        return ret
-    try:
-        held = lock.SyncLock(os.path.join(state_dir, lock.LOCK_NAME),
-                             globals().get("__jid__"), wait=0)
-        held.acquire()
-    except lock.Busy as exc:
-        return _rot_invalid(f"multimaster.rotate_key: {exc}")
-    try:
-        if fresh:
-            rotation.drop_stage(state_dir)  # a new rotation, a new key
-        return _rot_run(ret, record, dict(
-            waits, topology=topology, primary=primary, restart_cmd=restart_cmd, tgt=tgt,
-            tgt_type=tgt_type, save=lambda: rotation.save_record(state_dir, record)),
-            state_dir)
-    finally:
-        held.release()
-
-
-def _rot_run(ret, record, ctx, state_dir):
-    ctx["save"]()
-    if ctx["topology"] == "shared":
-        if record["state"][ctx["primary"]]["state"] == rotation.PENDING:
-            ctx["priv"], ctx["pub"] = rotation.stage_keypair(
-                state_dir, __opts__.get("keysize") or rotation.DEFAULT_KEYSIZE)
-        else:
-            # installed here: the staged copy is gone, the key files hold it
-            with open(rotation.own_key_files(__opts__)[1], "rb") as fh:
-                ctx["priv"], ctx["pub"] = None, fh.read()
-        ctx["new_finger"] = finger.master_finger(ctx["pub"].decode(),
-                                                 __opts__.get("hash_type", "sha256"))
-        ctx["expect_finger"] = ctx["new_finger"]
-    else:
-        ctx["new_finger"] = None
-        ctx["expect_finger"] = rotation.key_finger(
-            layout.master_key_files(__opts__, "signed")[1], __opts__)
-    error = None
-    for name in record["steps"]:
-        step = record["state"][name]
-        if step["state"] == rotation.SERVING:
-            continue
-        log.info("multimaster: rotate_key: %s", name)
-        if name == rotation.MINIONS_STEP:
-            _rot_tell_minions(step, ctx)
-        elif name == ctx["primary"]:
-            error = _rot_primary(step, ctx)
-        else:
-            error = _rot_peer(name, step, ctx)
-        if error:
-            break
-    ret["steps"] = {("minions" if n == rotation.MINIONS_STEP else n): dict(record["state"][n])
-                    for n in record["steps"]}
-    if error:
-        ctx["save"]()
-        ret.update(result=False, error=error, retcode=1)
-        return ret
-    confirmed, unconfirmed = _rot_verify(ctx, record)
-    ret["minions"] = {"confirmed": confirmed, "unconfirmed": unconfirmed}
-    ret["fingerprints"] = {n: record["state"][n].get("new") for n in record["steps"]
-                           if n != rotation.MINIONS_STEP}
-    if unconfirmed:
-        ctx["save"]()
-        ret.update(result=False, retcode=1,
-                   error=f"{len(unconfirmed)} minion(s) did not confirm the new key: "
-                         + ", ".join(sorted(unconfirmed)) + " (see minions:unconfirmed)")
-    else:
-        record["done"] = True
-        ctx["save"]()
-    if ctx["topology"] == "shared":
-        ret["next"] = (f"set pillar multimaster:master_finger to {ctx['new_finger']} (and "
-                       "multimaster:master_pub, if used, to the new master.pub) before the "
-                       "next state.apply of salt.multimaster, which would otherwise put the "
-                       "old key back")
-    ret["plan"] = rotation.plan(record)
+    rot = rotation.Rotation(_rot_salt(), topology, conf_peers, restart_cmd, tgt, tgt_type, **waits)
+    ret = rot.check(fresh, test)
+    if ret["result"] and not test:
+        try:
+            with lock.SyncLock(os.path.join(rot.state_dir, lock.LOCK_NAME),
+                               globals().get("__jid__"), wait=0):
+                ret = rot.run(ret)
+        except lock.Busy as exc:
+            return _rot_invalid(f"multimaster.rotate_key: {exc}")
+    if not ret["result"]:
+        ret["retcode"] = 1
     return ret

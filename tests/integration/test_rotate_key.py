@@ -7,6 +7,7 @@ when run again.  Masters restart through a stand-in for the service
 manager (tests/support/rotate.py).
 """
 
+import contextlib
 import pathlib
 import shutil
 import stat
@@ -77,16 +78,31 @@ def _dry_run(cluster, steps):
     assert not marker_of(cluster.primary).exists()
 
 
-def _rotate_without_primary_restart(cluster, watcher):
-    """A rotation whose primary restart never happens (its service manager fails)."""
-    watcher.enabled.discard(id(cluster.primary))
-    ret = _rotate(cluster, "restart_wait=15")
-    assert ret.returncode != 0, ret.stdout
-    assert "run salt-run multimaster.rotate_key again" in ret.data["error"]
-    steps = ret.data["steps"]
-    assert steps[cluster.peer_minions[0].id]["state"] == "serving"
-    assert steps[cluster.primary.config["id"]]["state"] == "written"
-    return steps
+@contextlib.contextmanager
+def _interrupted_then_resumed(cluster):
+    """
+    A rotation whose primary restart never happens (its service manager
+    fails): the block checks the cluster then, given the steps.  Then the
+    service manager is fixed and the re-run converges: each master restarted
+    once, the peer before the primary, every minion confirms.
+    """
+    primary = cluster.primary
+    with _watcher(cluster) as watcher:
+        watcher.enabled.discard(id(primary))
+        ret = _rotate(cluster, "restart_wait=15")
+        assert ret.returncode != 0, ret.stdout
+        assert "run salt-run multimaster.rotate_key again" in ret.data["error"]
+        steps = ret.data["steps"]
+        assert steps[cluster.peer_minions[0].id]["state"] == "serving"
+        assert steps[primary.config["id"]]["state"] == "written"
+        yield steps
+        # the re-run asks for the restart again
+        watcher.enable(primary)
+        ret = _rotate(cluster)
+    assert ret.returncode == 0, ret.stdout
+    assert ret.data["resumed"] is True
+    assert watcher.restarts == [cluster.peers[0].id, primary.id]
+    assert sorted(ret.data["minions"]["confirmed"]) == sorted(m.id for m in cluster.all_minions)
 
 
 def _check_backup(master, old_pub):
@@ -100,19 +116,23 @@ def _check_backup(master, old_pub):
     assert stat.S_IMODE(pem.parent.parent.stat().st_mode) == 0o700
 
 
-@pytest.fixture(scope="module")
-def signed(cluster_factory):
-    cluster = cluster_factory(
-        "rks", peers=1, minions=2, share_master_keys=False,
-        master_overrides={"master_sign_pubkey": True},
-        minion_overrides={"verify_master_pubkey_sign": True},
-    )
-    _config(cluster, "signed")
-    cluster.start(before_minions=_share_sign_pair)
+def _running(cluster, topology, **start):
+    """The fixture's body: ``cluster`` configured for ``topology``, started, then stopped."""
+    _config(cluster, topology)
+    cluster.start(**start)
     for minion in cluster.minions:
         assert cluster.wait_ping(cluster.primary, minion.id)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def signed(cluster_factory):
+    yield from _running(cluster_factory(
+        "rks", peers=1, minions=2, share_master_keys=False,
+        master_overrides={"master_sign_pubkey": True},
+        minion_overrides={"verify_master_pubkey_sign": True},
+    ), "signed", before_minions=_share_sign_pair)
 
 
 def test_signed_dry_run_writes_nothing(signed):
@@ -159,32 +179,17 @@ def test_signed_rotation_with_a_stopped_minion(signed):
 def test_signed_rotation_interrupted_after_the_first_master_converges(signed):
     primary, peer = signed.primary, signed.peers[0]
     old = {m.id: _pub(m) for m in signed.masters}
-    with _watcher(signed) as watcher:
-        _rotate_without_primary_restart(signed, watcher)
+    with _interrupted_then_resumed(signed):
         assert _pub(peer) != old[peer.id]
         # the minions still answer: the peer with its new key, the primary with its old
         for minion in signed.minions:
             assert signed.wait_ping(primary, minion.id)
-        # the service manager is fixed; the re-run asks for the restart again
-        watcher.enable(primary)
-        ret = _rotate(signed)
-    assert ret.returncode == 0, ret.stdout
-    assert ret.data["resumed"] is True
-    assert watcher.restarts == [peer.id, primary.id]
     assert _pub(primary) != old[primary.id]
-    assert sorted(ret.data["minions"]["confirmed"]) == sorted(
-        m.id for m in signed.all_minions)
 
 
 @pytest.fixture(scope="module")
 def shared(cluster_factory):
-    cluster = cluster_factory("rkh", peers=1, minions=2)
-    _config(cluster, "shared")
-    cluster.start()
-    for minion in cluster.minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
-    yield cluster
-    cluster.stop()
+    yield from _running(cluster_factory("rkh", peers=1, minions=2), "shared")
 
 
 def _trusted(minion):
@@ -239,8 +244,7 @@ def test_shared_rotation_with_a_stopped_minion(shared):
 def test_shared_rotation_interrupted_after_the_first_master_converges(shared):
     primary, peer = shared.primary, shared.peers[0]
     old = _pub(primary)
-    with _watcher(shared) as watcher:
-        steps = _rotate_without_primary_restart(shared, watcher)
+    with _interrupted_then_resumed(shared) as steps:
         assert steps["minions"]["state"] == "serving"
         new = _pub(peer)
         assert new != old and _pub(primary) == new
@@ -249,10 +253,4 @@ def test_shared_rotation_interrupted_after_the_first_master_converges(shared):
         for minion in shared.minions:
             assert _trusted(minion).strip() == new.strip()
             assert shared.wait_ping(peer, minion.id)
-        watcher.enable(primary)
-        ret = _rotate(shared)
-    assert ret.returncode == 0, ret.stdout
-    assert ret.data["resumed"] is True
-    assert watcher.restarts == [peer.id, primary.id]
     assert _pub(primary) == new
-    assert sorted(ret.data["minions"]["confirmed"]) == sorted(m.id for m in shared.all_minions)

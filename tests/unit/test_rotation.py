@@ -1,13 +1,16 @@
 """salt_multimaster.rotation: the steps on one master, the record, the plan, the verdicts."""
 
+import importlib.util
 import os
+import pathlib
 import stat
 
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from salt_multimaster import daemon, finger, rotation
+from salt_multimaster import daemon, finger, layout, rotation, seal
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +179,308 @@ def test_as_list():
     assert rotation.as_list(None) == []
 
 
+# ----- the step machine (Rotation) on a fake Salt and a fake clock ---------------
+class FakeSalt:
+    """
+    The Salt side of a rotation (:class:`rotation.SaltOps`) on a fake clock:
+    peers that write their new key when asked and serve it ``serve_after``
+    seconds after a restart (never when None), minions that answer (or not,
+    ``silent``; or from a time on, ``answer_at``), a status per call.
+    """
+
+    def __init__(self, opts, peers, minions, serve_after=4):
+        self.opts, self.now = opts, 0.0
+        self.serve_after = serve_after
+        self.peer_restart = "restarting"
+        self.primary_restart = "restarting"
+        self.disk = {p: f"old-{p}" for p in peers}  # fingerprint of each peer's key on disk
+        self.serving_at = {}  # master -> time from which it serves its key on disk
+        self.minion_ids, self.silent, self.answer_at = list(minions), set(), {}
+        self.trusted = {}  # minion -> fingerprint told (shared)
+        self.statuses = []  # status() returns, one per call; then every peer fine
+        self.log, self.sleeps = [], []
+        self.peer_keys, self.opened = {}, None  # each peer's minion key; the keypair it opened
+
+    def ops(self):
+        return rotation.SaltOps(
+            self.opts, call_peer=self.call_peer, minions=self.minions, status=self.status,
+            restart_primary=self.restart_primary, primary_serving=self.primary_serving,
+            reconnect_events=lambda: self.log.append("reconnect_events"),
+            sleep=self.sleep, monotonic=lambda: self.now)
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def _restarted(self, name, how):
+        self.log.append(f"restart {name}")
+        if how == "restarting" and self.serve_after is not None:
+            self.serving_at[name] = self.now + self.serve_after
+        return how
+
+    def _serves(self, name):
+        return name in self.serving_at and self.now >= self.serving_at[name]
+
+    def call_peer(self, peer, fun, kwarg, timeout):
+        if peer in self.silent:
+            return None
+        if fun == "multimaster_peer.inventory":
+            return {"master_keys": {"fingerprint": self.disk[peer]}, "master_running": True,
+                    "restart_pending": not self._serves(peer), "master_address": "127.0.0.3"}
+        if not kwarg.get("restart_only"):
+            self.log.append(f"new key {peer}")
+            if "keypair" in kwarg:
+                self.opened = seal.unseal(self.peer_keys[peer], kwarg["keypair"]["sealed"],
+                                          peer, "rotate_key/master.pem")
+                new = finger.master_finger(kwarg["keypair"]["pub"])
+            else:
+                new = f"new-{peer}"
+            old, self.disk[peer] = self.disk[peer], new
+            self.serving_at.pop(peer, None)
+            return {"result": True, "old": old, "new": new, "backup": f"/b/{peer}",
+                    "restart": self._restarted(peer, self.peer_restart)}
+        return {"result": True, "restart": self._restarted(peer, self.peer_restart)}
+
+    def minions(self, tgt, tgt_type, fun, kwarg, timeout):
+        expected = list(tgt) if tgt_type == "list" else list(self.minion_ids)
+        up = [m for m in expected if m not in self.silent
+              and self.now >= self.answer_at.get(m, 0)]
+        self.log.append(f"{fun} {','.join(up)}")
+        if fun == "multimaster.master_key_apply":
+            self.trusted.update({m: kwarg["master_finger"] for m in up})
+            return expected, {m: {"expected": True} for m in up}
+        ok = {"findings": [{"check": "master_pubkey", "severity": "info", "message": "ok"}]}
+        return expected, {m: ok for m in up}
+
+    def status(self, peers, topology):
+        if self.statuses:
+            return self.statuses.pop(0)
+        return {p: {"reachable": True, "master_running": True, "drift": {}} for p in peers}
+
+    def restart_primary(self, restart_cmd):
+        return self._restarted("primary", self.primary_restart)
+
+    def primary_serving(self):
+        if self._serves("primary"):
+            return True, None
+        return False, "its salt-master still runs with the old key (not restarted since)"
+
+
+@pytest.fixture
+def primary(tmp_path, keypair):
+    """The primary's opts, its old keypair on disk (master.pem/.pub), a 2048-bit keysize."""
+    opts = _mopts(tmp_path, id="m1", keysize=2048)
+    (tmp_path / "pki" / "master.pem").write_bytes(keypair[0])
+    (tmp_path / "pki" / "master.pub").write_bytes(keypair[1])
+    return opts
+
+
+def _fake(opts, peers=("p1", "p2"), minions=("web1", "web2"), **kwargs):
+    fake = FakeSalt(opts, peers, minions, **kwargs)
+    (pathlib.Path(opts["pki_dir"]) / "minions").mkdir(exist_ok=True)
+    for peer in peers:
+        priv, pub = rotation.gen_keypair(2048)
+        fake.peer_keys[peer] = priv
+        (pathlib.Path(opts["pki_dir"]) / "minions" / peer).write_bytes(pub)
+    return fake
+
+
+def _rotate(fake, topology, test=False, fresh=False, **waits):
+    """``(return, Rotation)`` of one run, as the runner drives it (without the lock)."""
+    rot = rotation.Rotation(fake.ops(), topology, list(fake.disk), **waits)
+    ret = rot.check(fresh, test)
+    if ret["result"] and not test:
+        ret = rot.run(ret)
+    return ret, rot
+
+
+def _done_plan(*steps):
+    return [{"step": s, "state": "serving", "todo": "done"} for s in steps] + [
+        {"step": "verify", "state": "pending",
+         "todo": "every minion trusts the new key (multimaster.audit)"}]
+
+
+def test_shared_rotation_one_master_at_a_time(primary, keypair):
+    fake = _fake(primary)
+    ret, rot = _rotate(fake, "shared")
+    new = rotation.current_finger(primary)
+    old = finger.master_finger(keypair[1].decode())
+    assert new != old and fake.disk == {"p1": new, "p2": new}
+    # the staged private key reached each peer sealed to its minion key, then was dropped
+    assert rotation.public_of(fake.opened).strip() == \
+        (pathlib.Path(primary["pki_dir"]) / "master.pub").read_bytes().strip()
+    assert not os.path.exists(rotation.stage_dir(rot.state_dir))
+    # each master once the previous one serves; the minions told before the primary switches
+    assert fake.log == [
+        "new key p1", "restart p1", "new key p2", "restart p2",
+        "multimaster.master_key_apply web1,web2", "restart primary", "reconnect_events",
+        "multimaster.audit web1,web2"]
+    assert fake.trusted == {"web1": new, "web2": new}
+    primary_step = ret["steps"]["m1"]
+    assert primary_step["backup"].startswith(primary["cachedir"])
+    assert ret == {
+        "result": True, "topology": "shared", "test": False, "resumed": False,
+        "started": rot.record["started"], "plan": _done_plan("p1", "p2", "minions", "m1"),
+        "steps": {"p1": {"state": "serving", "old": "old-p1", "new": new, "backup": "/b/p1"},
+                  "p2": {"state": "serving", "old": "old-p2", "new": new, "backup": "/b/p2"},
+                  "minions": {"state": "serving", "told": 2, "not_told": []},
+                  "m1": {"state": "serving", "old": old, "new": new,
+                         "backup": primary_step["backup"]}},
+        "minions": {"confirmed": ["web1", "web2"], "unconfirmed": {}},
+        "fingerprints": {"p1": new, "p2": new, "m1": new},
+        "next": f"set pillar multimaster:master_finger to {new} (and multimaster:master_pub, if "
+                "used, to the new master.pub) before the next state.apply of salt.multimaster, "
+                "which would otherwise put the old key back",
+    }
+    assert rotation.load_record(rot.state_dir) is None  # done: nothing to resume
+
+
+def test_resume_after_the_primary_restart_never_happened(primary):
+    """The primary holds its new key but nothing restarted it: the re-run only restarts it."""
+    fake = _fake(primary)
+    fake.primary_restart = "restart_required"
+    ret, rot = _rotate(fake, "shared")
+    error = rotation.restart_remedy("m1", "restart_required")
+    assert (ret["result"], ret["error"]) == (False, error)
+    assert ret["steps"]["m1"]["state"] == rotation.WRITTEN
+    assert ret["steps"]["m1"]["restart"] == "restart_required"
+    assert "minions" not in ret  # no verdict before every master serves
+    saved = rotation.load_record(rot.state_dir)
+    assert [saved["state"][s]["state"] for s in saved["steps"]] == [
+        "serving", "serving", "serving", "written"]
+    new = rotation.current_finger(primary)
+
+    fake.primary_restart, fake.log = "restarting", []
+    ret, rot = _rotate(fake, "shared")
+    assert ret["result"] is True and ret["resumed"] is True
+    assert ret["started"] == saved["started"]
+    assert fake.log == ["restart primary", "reconnect_events", "multimaster.audit web1,web2"]
+    assert rotation.current_finger(primary) == new  # the key written in the first run
+    assert ret["fingerprints"] == {"p1": new, "p2": new, "m1": new}
+
+
+def test_a_peer_that_never_serves_stops_the_rotation(primary, keypair):
+    """signed: p1 writes its key but never serves it; the primary is left alone; a re-run resumes."""
+    (pathlib.Path(primary["pki_dir"]) / "master_sign.pub").write_bytes(keypair[1])
+    fake = _fake(primary, peers=("p1",), serve_after=None)
+    ret, rot = _rotate(fake, "signed", restart_wait=10)
+    assert ret == {
+        "result": False, "topology": "signed", "test": False, "resumed": False,
+        "started": rot.record["started"],
+        "plan": [{"step": "p1", "state": "pending",
+                  "todo": "new key, restart, confirm it serves the key"},
+                 {"step": "m1", "state": "pending",
+                  "todo": "new key, restart, confirm it serves the key"},
+                 {"step": "verify", "state": "pending",
+                  "todo": "every minion trusts the new key (multimaster.audit)"}],
+        "steps": {"p1": {"state": "written", "old": "old-p1", "new": "new-p1",
+                         "backup": "/b/p1", "restart": "restarting"},
+                  "m1": {"state": "pending"}},
+        "error": rotation.restart_remedy(
+            "p1", "after 10 s: its salt-master still runs with the old key (not restarted "
+                  "since)"),
+    }
+    assert fake.log == ["new key p1", "restart p1"]
+    assert fake.now >= 10 and set(fake.sleeps) == {rotation.POLL}
+    assert rotation.current_finger(primary) == finger.master_finger(keypair[1].decode())
+
+    # fixed: the re-run asks p1 for a restart only (its new key stays), then the primary
+    fake.serve_after, fake.log = 4, []
+    ret, rot = _rotate(fake, "signed")
+    assert ret["result"] is True and ret["resumed"] is True, ret
+    assert fake.log == ["restart p1", "restart primary", "reconnect_events",
+                        "multimaster.audit web1,web2"]
+    assert ret["steps"]["p1"] == {"state": "serving", "old": "old-p1", "new": "new-p1",
+                                  "backup": "/b/p1"}
+    assert "next" not in ret
+
+
+def test_a_peer_whose_minion_does_not_answer(primary, keypair):
+    (pathlib.Path(primary["pki_dir"]) / "master_sign.pub").write_bytes(keypair[1])
+    fake = _fake(primary, peers=("p1",))
+    fake.silent.add("p1")  # gone between the pre-checks and its step
+    ret, _ = _rotate(fake, "signed")
+    assert ret["result"] is False
+    assert ret["error"] == ("p1: no new key: its salt-minion did not answer (start it, check "
+                            "salt-run manage.status), then run salt-run multimaster.rotate_key "
+                            "again")
+    assert ret["steps"]["p1"] == {"state": "pending"}
+
+
+def test_minions_that_do_not_confirm(primary):
+    """web2 never answers, web3 answers after a while: asked again until verify_wait."""
+    fake = _fake(primary, peers=("p1",), minions=("web1", "web2", "web3"))
+    fake.silent.add("web2")
+    fake.answer_at["web3"] = 20
+    ret, rot = _rotate(fake, "shared", verify_wait=30)
+    new = rotation.current_finger(primary)
+    assert ret["steps"]["minions"] == {"state": "serving", "told": 1,
+                                       "not_told": ["web2", "web3"]}
+    assert ret["minions"] == {"confirmed": ["web1", "web3"], "unconfirmed": {
+        "web2": {"reason": "no audit return (None)",
+                 "remedy": rotation.remedy("web2", "shared", new)}}}
+    assert (ret["result"], ret["error"]) == (
+        False, "1 minion(s) did not confirm the new key: web2 (see minions:unconfirmed)")
+    assert fake.log[-2:] == ["multimaster.audit ", "multimaster.audit "]
+    assert "multimaster.audit web3" in fake.log
+    saved = rotation.load_record(rot.state_dir)
+    assert saved["unconfirmed"] == ["web2"] and saved["done"] is False
+
+    # the remedy done: the re-run changes no master, only asks again
+    fake.silent.clear()
+    fake.log = []
+    ret, rot = _rotate(fake, "shared")
+    assert ret["result"] is True and ret["resumed"] is True
+    assert fake.log == ["multimaster.audit web1,web2,web3"]
+    assert ret["minions"] == {"confirmed": ["web1", "web2", "web3"], "unconfirmed": {}}
+    assert rotation.load_record(rot.state_dir) is None
+
+
+def test_pre_checks_ask_again_then_stop_before_any_change(primary):
+    down = {"p1": {"reachable": False, "error": "p1: its salt-minion did not answer"}}
+    fake = _fake(primary, peers=("p1",))
+    fake.statuses = [down, down]  # a minion reconnecting: fine at the third look
+    ret, rot = _rotate(fake, "shared", test=True)
+    assert ret == {"result": True, "topology": "shared", "test": True, "resumed": False,
+                   "started": rot.record["started"], "plan": rotation.plan(rot.record)}
+    assert fake.sleeps == [rotation.CHECK_PAUSE] * 2
+    assert fake.log == [] and os.listdir(rot.state_dir) == []  # a dry run writes nothing
+
+    drift = {"p1": {"reachable": True, "master_running": True,
+                    "drift": {"master_keys": {"changed": ["master.pem"]}}}}
+    fake.statuses, fake.sleeps = [down, down, drift], []
+    ret, rot = _rotate(fake, "shared")
+    assert ret["result"] is False and ret["error"] == (
+        "p1: its master keypair differs from the primary's: run salt-run multimaster.sync "
+        "only=master_keys topology=shared first")
+    assert fake.sleeps == [rotation.CHECK_PAUSE] * 2  # no pause after the last look
+    assert fake.log == [] and os.listdir(rot.state_dir) == []
+
+    fake.statuses = [{"result": False, "error": "no peers answered"}] * 3
+    ret, _ = _rotate(fake, "shared")
+    assert (ret["result"], ret["error"]) == (False, "no peers answered")
+    assert fake.log == [] and os.listdir(rot.state_dir) == []
+
+
+def test_an_unfinished_rotation_is_resumed_as_it_was_started(primary):
+    fake = _fake(primary, peers=("p1",))
+    fake.primary_restart = "restart_required"
+    _rotate(fake, "shared")
+    first = rotation.current_finger(primary)
+    ret, _ = _rotate(fake, "signed")
+    assert ret == {"result": False, "error": "multimaster.rotate_key: " + rotation.resumable(
+        rotation.load_record(layout.state_dir(primary)), "signed", ["p1"], "m1")}
+    assert "fresh=True" in ret["error"]
+    # fresh=True: forgotten, a new rotation with a new key from the first step on
+    fake.primary_restart, fake.log = "restarting", []
+    ret, _ = _rotate(fake, "shared", fresh=True)
+    assert ret["result"] is True and ret["resumed"] is False
+    assert fake.log[:2] == ["new key p1", "restart p1"]
+    assert rotation.current_finger(primary) not in (first, None)
+
+
 # ----- the runner's rotate_key refuses bad input before anything is sent --------
-def _runner(tmp_path):
-    import importlib.util  # pylint: disable=import-outside-toplevel
-
-    from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
-
+def _runner(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("mm_runner_rotate",
                                                   REPO / "_runners" / "multimaster.py")
     mod = importlib.util.module_from_spec(spec)
@@ -194,7 +493,8 @@ def _runner(tmp_path):
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"sent with bad input: {args} {kwargs}")
 
-    mod.status = mod._rot_job = nothing_sent
+    # a rotation, its status and its jobs start with the Salt side built
+    monkeypatch.setattr(rotation, "SaltOps", nothing_sent)
     return mod
 
 
@@ -206,8 +506,8 @@ def _runner(tmp_path):
     ({"restart_wait": 0}, "restart_wait must be more than 0 seconds"),
     ({"restart_cmd": ["systemctl"]}, "restart_cmd must be a command"),
 ])
-def test_rotate_key_refuses_bad_input(tmp_path, kwargs, error):
-    runner = _runner(tmp_path)
+def test_rotate_key_refuses_bad_input(tmp_path, monkeypatch, kwargs, error):
+    runner = _runner(tmp_path, monkeypatch)
     ret = runner.rotate_key(**kwargs)
     assert ret["result"] is False and ret["retcode"] == 1, ret
     assert error in ret["error"]
