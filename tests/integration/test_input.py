@@ -31,11 +31,7 @@ def cluster(cluster_factory):
         primary_overrides={"nodegroups": {"webs": "L@inp-minion1"},
                            "publisher_acl": {"ops": ["test.*"]}})
     _set_multimaster(cluster.primary, {"peers": [m.id for m in cluster.peer_minions]})
-    cluster.start()
-    for minion in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
-    yield cluster
-    cluster.stop()
+    yield from cluster.running()
 
 
 def _snapshot(master):

@@ -32,11 +32,7 @@ def cluster(cluster_factory):
             started.primary, "*", [m.config["interface"] for m in started.masters],
             started.master_fingerprint(started.primary))
 
-    cluster.start(before_minions=pillar)
-    for minion in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
-    yield cluster
-    cluster.stop()
+    yield from cluster.running(before_minions=pillar)
 
 
 @pytest.fixture(scope="module")

@@ -119,11 +119,7 @@ def _check_backup(master, old_pub):
 def _running(cluster, topology, **start):
     """The fixture's body: ``cluster`` configured for ``topology``, started, then stopped."""
     _config(cluster, topology)
-    cluster.start(**start)
-    for minion in cluster.minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
-    yield cluster
-    cluster.stop()
+    yield from cluster.running(minions=cluster.minions, **start)
 
 
 @pytest.fixture(scope="module")

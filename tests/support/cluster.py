@@ -299,6 +299,18 @@ class Cluster:
             minion.start()
         return self
 
+    def running(self, minions=None, before_minions=None):
+        """
+        A module fixture's body, ``yield from cluster.running()``: started,
+        every minion (``minions``, default all, peer hosts' included)
+        answering the primary, stopped when the module is done.
+        """
+        self.start(before_minions=before_minions)
+        for minion in self.all_minions if minions is None else minions:
+            assert self.wait_ping(self.primary, minion.id)
+        yield self
+        self.stop()
+
     def stop(self):
         for daemon in reversed([*self.masters, *self.all_minions]):
             try:

@@ -19,6 +19,17 @@ def _master(root, name, port):
             "file_roots": {"base": [str(root / name / "srv")]}, "pillar_roots": {}}
 
 
+def _pair(tmp_path, port):
+    """A primary and a peer holding the same master keys and top.sls."""
+    pair = _master(tmp_path, "m1", port), _master(tmp_path, "m2", port)
+    priv, pub = gen_keypair(1024)
+    for opts in pair:
+        (tmp_path / opts["id"] / "pki" / "master.pem").write_bytes(priv)
+        (tmp_path / opts["id"] / "pki" / "master.pub").write_bytes(pub)
+        (tmp_path / opts["id"] / "srv" / "top.sls").write_text("base: {}\n")
+    return pair
+
+
 def _closed_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -26,13 +37,7 @@ def _closed_port():
 
 
 def test_a_peer_with_drift_and_its_master_down(tmp_path):
-    port = _closed_port()
-    primary_opts, peer_opts = _master(tmp_path, "m1", port), _master(tmp_path, "m2", port)
-    priv, pub = gen_keypair(1024)
-    for opts in (primary_opts, peer_opts):
-        (tmp_path / opts["id"] / "pki" / "master.pem").write_bytes(priv)
-        (tmp_path / opts["id"] / "pki" / "master.pub").write_bytes(pub)
-        (tmp_path / opts["id"] / "srv" / "top.sls").write_text("base: {}\n")
+    primary_opts, peer_opts = _pair(tmp_path, _closed_port())
     (tmp_path / "m1" / "pki" / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
     (tmp_path / "m1" / "srv" / "new.sls").write_text("new: {}\n")
     primary = sync.read_primary(primary_opts, CATS, "shared", [])
@@ -64,12 +69,7 @@ def test_a_replica_whose_master_answers_is_in_sync(tmp_path):
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         port = listening.getsockname()[1]
-        primary_opts, peer_opts = _master(tmp_path, "m1", port), _master(tmp_path, "m2", port)
-        priv, pub = gen_keypair(1024)
-        for opts in (primary_opts, peer_opts):
-            (tmp_path / opts["id"] / "pki" / "master.pem").write_bytes(priv)
-            (tmp_path / opts["id"] / "pki" / "master.pub").write_bytes(pub)
-            (tmp_path / opts["id"] / "srv" / "top.sls").write_text("base: {}\n")
+        primary_opts, peer_opts = _pair(tmp_path, port)
         primary = sync.read_primary(primary_opts, CATS, "shared", [])
         inv = peer.inventory(peer_opts, str(tmp_path / "m2-state"), CATS,
                              sync.current_digests(primary, CATS), "shared", [])
