@@ -39,6 +39,11 @@ MASTER_KEY_WEIGHT = 4096
 BACKUP_KEEP = 10
 # Past this many ids a targeted key sync is a full minion_keys sync.
 MAX_TARGETED_IDS = 200
+# Past this many ids set by targeted syncs since a peer's last full sync,
+# its minion_keys are forgotten (a full sync remembers them afresh).
+MAX_HELD_IDS = 2000
+# The keys manifest of the primary's saved snapshot (manifest.KeysSnapshot).
+KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
 
 
 # ---------------------------------------------------------------------------
@@ -549,17 +554,28 @@ def _memory_path(opts, peer):
     return os.path.join(layout.state_dir(opts), "peers", f"{peer}.json")
 
 
+def _memory(opts, peer):
+    """What ``peer`` was last confirmed to hold, as saved: a dict, maybe empty."""
+    try:
+        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
+            held = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def _save_memory(opts, peer, held):
+    fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
+    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600)
+
+
 def remembered(opts, peer, categories):
     """
     ``{category: inventory entry}`` the peer was last confirmed to hold, for
     every one of ``categories``; None when one is not known.
     """
-    try:
-        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
-            held = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(held, dict) or not all(isinstance(held.get(c), dict) for c in categories):
+    held = _memory(opts, peer)
+    if not all(isinstance(held.get(c), dict) for c in categories):
         return None
     return {cat: held[cat] for cat in categories}
 
@@ -575,12 +591,7 @@ def remember(opts, peer, categories, primary, inv, ret):
     failed, left in conflict or unconfirmed, nothing damaged on the primary)
     is held by the peer as the primary holds it now; any other is forgotten.
     """
-    try:
-        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
-            held = json.load(fh)
-        held = held if isinstance(held, dict) else {}
-    except (OSError, ValueError):
-        held = {}
+    held = _memory(opts, peer)
     for cat in categories:
         rep = ret.get(cat)
         entry = (primary or {}).get(cat) or {}
@@ -596,8 +607,7 @@ def remember(opts, peer, categories, primary, inv, ret):
                 held[cat]["envs"] = envs
         else:
             held[cat] = dict(entry["manifest"])
-    fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
-    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600)
+    _save_memory(opts, peer, held)
 
 
 def expected_inventory(held):
@@ -617,3 +627,140 @@ def expected_inventory(held):
         else:
             inv[cat] = dict(entry)
     return inv
+
+
+# ---------------------------------------------------------------------------
+# A targeted key sync in one publish: what the peer holds of some ids
+# ---------------------------------------------------------------------------
+# The peer's remembered ``minion_keys`` are its bucket digests (``digest``),
+# and ``ids``: the keys targeted syncs set since its last full sync
+# (``{id: {state: sha256}}``).  A bucket of the primary's saved key snapshot
+# with those ids in place is what the peer holds there when its digest is
+# the remembered one: exact, whichever snapshot it is.
+def _snapshot_parts(opts, buckets):
+    """
+    ``{bucket: {state: {id: sha256}}}`` of ``buckets`` in the primary's
+    saved key snapshot (read, no key dir listed); None without one.
+    """
+    path = os.path.join(layout.state_dir(opts), KEYS_SNAPSHOT_MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            entries = json.load(fh)["entries"]
+        parts = {}
+        for state, keys in entries.items():
+            for mid, entry in keys.items():
+                bucket = manifest.bucket_of(mid)
+                if bucket in buckets:
+                    parts.setdefault(bucket, {}).setdefault(state, {})[mid] = str(entry[3])
+        return parts
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
+
+
+def _overlay(part, ids):
+    """A bucket's keys with the keys of ``ids`` (``{id: {state: sha256}}``) in place of theirs."""
+    ret = {state: {mid: sha for mid, sha in keys.items() if mid not in ids}
+           for state, keys in part.items()}
+    for mid, keys in ids.items():
+        for state, sha in keys.items():
+            ret.setdefault(state, {})[mid] = sha
+    return {state: keys for state, keys in ret.items() if keys}
+
+
+def _in(bucket, ids):
+    return {mid: keys for mid, keys in ids.items() if manifest.bucket_of(mid) == bucket}
+
+
+def _bucket_digest(part):
+    """A bucket's digest as the peer computes it; None for an empty bucket (no digest)."""
+    return manifest.bucket_digests({"": part})[""] if part else None
+
+
+def _keys_of(part, mid):
+    return {state: keys[mid] for state, keys in part.items() if mid in keys}
+
+
+def targeted_held(opts, peer, ids):
+    """
+    What ``peer`` holds of the keys of ``ids``, known exactly from what it
+    was last confirmed to hold, else None (then ask it: two publishes).
+    ``{"keys": {id: {state: sha256}}, "received": [held ids it received
+    from the primary], ...}``; the rest is for :func:`remember_targeted`.
+    """
+    held = remembered(opts, peer, ["minion_keys"])
+    if held is None:
+        return None
+    entry = held["minion_keys"]
+    digest, known = entry.get("digest"), entry.get("ids", {})
+    if (not isinstance(digest, dict) or not isinstance(known, dict) or not all(
+            isinstance(keys, dict) for keys in known.values())):
+        return None
+    buckets = {manifest.bucket_of(mid) for mid in ids}
+    base = _snapshot_parts(opts, buckets)
+    if base is None:
+        return None
+    parts = {}
+    for bucket in buckets:
+        parts[bucket] = _overlay(base.get(bucket, {}), _in(bucket, known))
+        if _bucket_digest(parts[bucket]) != digest.get(bucket):
+            log.debug("multimaster: %s's keys of bucket %s not known", peer, bucket)
+            return None
+    keys = {mid: _keys_of(parts[manifest.bucket_of(mid)], mid) for mid in ids}
+    # a peer in step received every id it holds from the primary (checked
+    # against its key history all the same)
+    return {"keys": keys, "received": sorted(mid for mid, held in keys.items() if held),
+            "digest": digest, "ids": known, "base": base}
+
+
+def targeted_inventory(held):
+    """The targeted inventory (``peer.targeted_inventory``) of a peer holding ``held``."""
+    man = {}
+    for mid, keys in held["keys"].items():
+        for state, sha in keys.items():
+            man.setdefault(state, {})[mid] = sha
+    return {"minion_keys": {"manifest": man, "history": list(held["received"]), "errors": []}}
+
+
+def remember_targeted(opts, peer, held, primary, ret, confirmed):
+    """
+    After a targeted key sync of ``peer``.  ``held``: what the primary knew
+    it held of the ids (:func:`targeted_held`, or None); ``confirmed``: the
+    peer applied on that condition.  A clean report then updates the
+    remembered digests of the ids' buckets exactly (those ids hold the
+    primary's keys now, the rest of each bucket as it was); a peer found
+    otherwise, or not clean, is forgotten; unknown, it is forgotten when
+    keys changed.
+    """
+    rep = ret.get("minion_keys")
+    entry = primary["minion_keys"]
+    if held is None:
+        if isinstance(rep, dict) and any(rep.get(k) for k in ("added", "updated", "removed")):
+            forget(opts, peer, ["minion_keys"])
+        return
+    clean = (confirmed and ret.get("result") and isinstance(rep, dict) and not rep.get("errors")
+             and not rep.get("conflicts") and not rep.get("unconfirmed")
+             and not entry.get("damaged") and not primary.get("errors"))
+    if not clean:
+        forget(opts, peer, ["minion_keys"])
+        return
+    known = dict(held["ids"])
+    known.update({mid: _keys_of(entry["manifest"], mid) for mid in entry["ids"]})
+    digest = dict(held["digest"])
+    for bucket, base in ((b, held["base"].get(b, {})) for b in {
+            manifest.bucket_of(mid) for mid in entry["ids"]}):
+        mine = _in(bucket, known)
+        part = _overlay(base, mine)
+        if part:
+            digest[bucket] = _bucket_digest(part)
+        else:
+            digest.pop(bucket, None)
+        # the snapshot holds these already
+        for mid, keys in mine.items():
+            if _keys_of(base, mid) == keys:
+                del known[mid]
+    if len(known) > MAX_HELD_IDS:
+        forget(opts, peer, ["minion_keys"])
+        return
+    memory = _memory(opts, peer)
+    memory["minion_keys"] = {"digest": digest, "ids": known} if known else {"digest": digest}
+    _save_memory(opts, peer, memory)
