@@ -253,3 +253,118 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     _assert_replica(primary_opts, mopts)
     with pytest.raises(validate.InvalidInput, match="expect must be a mapping"):
         peer.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
+
+
+def _same_bucket(mid, prefix):
+    """An id (``prefix`` and a number) in the bucket of ``mid``."""
+    return next(f"{prefix}{i}" for i in range(10000)
+                if manifest.bucket_of(f"{prefix}{i}") == manifest.bucket_of(mid)
+                and f"{prefix}{i}" != mid)
+
+
+def _targeted(primary_opts, mopts, state, ids, held, force=False):
+    """One targeted sync in one publish, as the runner runs it: ``(report, peer reply)``."""
+    primary = sync.read_primary_keys(primary_opts, ids)
+    ops, report = sync.plan("shared", ["minion_keys"], primary, sync.targeted_inventory(held),
+                            force)
+    ops = {c: o for c, o in ops.items() if o}
+    sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+    got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
+                     expect=protocol.targeted_expectation(held["keys"], held["received"]))
+    if "inventory" not in got:
+        sync.merge(report, got)
+        sync.remember_targeted(primary_opts, "m2", held, primary,
+                               {"result": True, "minion_keys": report["minion_keys"]}, True)
+    return primary, report, got
+
+
+def _peer_digest(mopts, tmp_path):
+    """The peer's key digests as its inventory computes them."""
+    return manifest.KeysSnapshot(mopts["pki_dir"], str(tmp_path / "fresh-snapshot")).digest
+
+
+def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to_hold(pair):
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    pki, ppki = tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"
+    state = str(tmp_path / "m2-minion-state")
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
+    inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
+    sync.remember(primary_opts, "m2", CATS, primary, inv, report)
+    # nothing remembered of another peer: asked (two publishes)
+    assert sync.targeted_held(primary_opts, "m3", ["web1"]) is None
+
+    # accepted on the primary: known to be missing there, applied in one publish
+    web2 = _same_bucket("web1", "web")
+    (pki / "minions" / web2).write_bytes(gen_keypair(1024)[1])
+    held = sync.targeted_held(primary_opts, "m2", ["web1", web2])
+    assert held["keys"] == {"web1": {"minions": primary["minion_keys"]["snapshot"].manifest[
+        "minions"]["web1"]}, web2: {}}
+    assert held["received"] == ["web1"]
+    _, report, got = _targeted(primary_opts, mopts, state, ["web1", web2], held)
+    assert report["minion_keys"]["added"] == [f"minions/{web2}"]
+    assert got["minion_keys"] == {"errors": [], "failed": []} and "inventory" not in got
+    assert (ppki / "minions" / web2).read_bytes() == (pki / "minions" / web2).read_bytes()
+    # remembered exactly: what the peer's own inventory digests, for a full sync too
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+
+    # the same bucket again, the primary's snapshot unchanged: still known
+    web3 = _same_bucket("web1", f"{web2}x")
+    (pki / "minions" / web3).write_bytes(gen_keypair(1024)[1])
+    os.rename(pki / "minions" / web2, pki / "minions_rejected" / web2)
+    held = sync.targeted_held(primary_opts, "m2", [web2, web3])
+    assert held is not None and held["received"] == [web2]
+    _, report, got = _targeted(primary_opts, mopts, state, [web2, web3], held)
+    assert sorted(report["minion_keys"]["added"]) == [f"minions/{web3}",
+                                                      f"minions_rejected/{web2}"]
+    assert report["minion_keys"]["removed"] == [f"minions/{web2}"]
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+    # a full read replaces the snapshot: what the peer holds is known all the same
+    sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
+    assert sync.targeted_held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
+
+    # changed behind the primary's back: nothing applied, the keys of the ids
+    # instead, and the usual second round plans a conflict
+    other = gen_keypair(1024)[1]
+    (ppki / "minions" / web3).write_bytes(other)
+    (pki / "minions" / "web4").write_bytes(gen_keypair(1024)[1])
+    held = sync.targeted_held(primary_opts, "m2", [web3, "web4"])
+    primary, _, got = _targeted(primary_opts, mopts, state, [web3, "web4"], held)
+    assert set(got) == {"backup", "inventory"} and not (ppki / "minions" / "web4").exists()
+    assert got["inventory"] == peer.targeted_inventory(mopts, state, [web3, "web4"])
+    _, report = sync.plan("shared", ["minion_keys"], primary, got["inventory"], False)
+    assert report["minion_keys"]["conflicts"][0].startswith(f"minions/{web3}:")
+    assert report["minion_keys"]["added"] == ["minions/web4"]
+    sync.remember_targeted(primary_opts, "m2", held, primary, {"result": False}, False)
+    assert sync.targeted_held(primary_opts, "m2", ["web4"]) is None
+    assert sync.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
+
+
+def test_a_targeted_expectation_checks_the_key_history_too(pair):
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    state = str(tmp_path / "m2-minion-state")
+    key = gen_keypair(1024)[1]
+    for pki in (tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"):
+        (pki / "minions" / "web1").write_bytes(key)
+    sha = manifest.key_sha(key)
+    # the peer holds the key, never received from the primary: not as expected
+    expect = protocol.targeted_expectation({"web1": {"minions": sha}}, ["web1"])
+    held, inv = peer.check_expected(mopts, state, expect, "shared", None)
+    assert held is False and inv["minion_keys"]["history"] == []
+    assert peer.check_expected(mopts, state, protocol.targeted_expectation(
+        {"web1": {"minions": sha}}, []), "shared", None)[0] is True
+    # a damaged key on the peer is never "as expected": the inventory names it
+    (tmp_path / "m2" / "pki" / "minions" / "web1").write_text("not a key")
+    held, inv = peer.check_expected(mopts, state, protocol.targeted_expectation(
+        {"web1": {}}, []), "shared", None)
+    assert held is False and inv["minion_keys"]["errors"]
+    for bad in ({"minion_keys": {"ids": {"../x": {}}, "received": []}},
+                {"minion_keys": {"ids": {"a": {}}, "received": ["b"]}},
+                {"minion_keys": {"ids": {"a": []}, "received": []}},
+                {"minion_keys": {"ids": {"a": {}}, "received": []}, "file_roots": {}}):
+        with pytest.raises(validate.InvalidInput):
+            peer.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
+                       expect=bad)
+    assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
