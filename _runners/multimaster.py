@@ -600,7 +600,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
             # sync; known from what a peer was last confirmed to hold, one publish
             primary = sync_core.read_primary_keys(__opts__, ids)
             if not test:
-                known = {peer: sync_core.targeted_held(__opts__, peer, ids) for peer in peers}
+                base = sync_core.snapshot_keys(__opts__, ids)
+                known = {peer: sync_core.targeted_held(__opts__, peer, ids, base)
+                         for peer in peers}
             slow = [peer for peer in peers if not known.get(peer)]
             invs = _ask_targeted(slow, ids, conf, test) if slow else {}
         elif any(held.values()):
@@ -691,8 +693,9 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         Sync the keys of these minions only (implies ``only=minion_keys``), no
         listing of every key: one publish per peer (the apply) when the
         primary knows what the peer holds of them since its last sync, else
-        an inventory of those ids and an apply.  The ``salt/key`` reactor passes the ids of its events.  Past
-        200 ids, a full ``minion_keys`` sync runs instead.
+        an inventory of those ids and an apply.  The ``salt/key`` reactor
+        passes the ids of its events.  Past 200 ids, a full ``minion_keys``
+        sync runs instead.
     rescan
         List and stat every key dir on the primary and the peers, even those
         unchanged since the last sync (which a sync otherwise takes from its

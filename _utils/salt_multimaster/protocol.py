@@ -250,7 +250,7 @@ def targeted_ids(expect):
     ids, received = want.get("ids"), want.get("received")
     if (set(expect) != {"minion_keys"} or set(want) != {"ids", "received"}
             or not isinstance(ids, dict) or not ids or not isinstance(received, list)
-            or not set(received) <= set(ids)
+            or not all(isinstance(mid, str) and mid in ids for mid in received)
             or not all(isinstance(held, dict) and all(
                 isinstance(state, str) and isinstance(sha, str) for state, sha in held.items())
                 for held in ids.values())):

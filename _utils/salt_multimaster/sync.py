@@ -637,11 +637,12 @@ def expected_inventory(held):
 # (``{id: {state: sha256}}``).  A bucket of the primary's saved key snapshot
 # with those ids in place is what the peer holds there when its digest is
 # the remembered one: exact, whichever snapshot it is.
-def _snapshot_parts(opts, buckets):
+def snapshot_keys(opts, ids):
     """
-    ``{bucket: {state: {id: sha256}}}`` of ``buckets`` in the primary's
-    saved key snapshot (read, no key dir listed); None without one.
+    ``{bucket: {state: {id: sha256}}}`` of the buckets of ``ids`` in the
+    primary's saved key snapshot (read, no key dir listed); None without one.
     """
+    buckets = {manifest.bucket_of(mid) for mid in ids}
     path = os.path.join(layout.state_dir(opts), KEYS_SNAPSHOT_MANIFEST)
     try:
         with open(path, encoding="utf-8") as fh:
@@ -680,27 +681,24 @@ def _keys_of(part, mid):
     return {state: keys[mid] for state, keys in part.items() if mid in keys}
 
 
-def targeted_held(opts, peer, ids):
+def targeted_held(opts, peer, ids, base):
     """
     What ``peer`` holds of the keys of ``ids``, known exactly from what it
-    was last confirmed to hold, else None (then ask it: two publishes).
+    was last confirmed to hold and ``base`` (:func:`snapshot_keys`), else
+    None (then ask it: two publishes).
     ``{"keys": {id: {state: sha256}}, "received": [held ids it received
     from the primary], ...}``; the rest is for :func:`remember_targeted`.
     """
     held = remembered(opts, peer, ["minion_keys"])
-    if held is None:
+    if held is None or base is None:
         return None
     entry = held["minion_keys"]
     digest, known = entry.get("digest"), entry.get("ids", {})
     if (not isinstance(digest, dict) or not isinstance(known, dict) or not all(
             isinstance(keys, dict) for keys in known.values())):
         return None
-    buckets = {manifest.bucket_of(mid) for mid in ids}
-    base = _snapshot_parts(opts, buckets)
-    if base is None:
-        return None
     parts = {}
-    for bucket in buckets:
+    for bucket in {manifest.bucket_of(mid) for mid in ids}:
         parts[bucket] = _overlay(base.get(bucket, {}), _in(bucket, known))
         if _bucket_digest(parts[bucket]) != digest.get(bucket):
             log.debug("multimaster: %s's keys of bucket %s not known", peer, bucket)

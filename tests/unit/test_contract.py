@@ -255,6 +255,11 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
         peer.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
 
 
+def _held(opts, peer, ids):
+    """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
+    return sync.targeted_held(opts, peer, ids, sync.snapshot_keys(opts, ids))
+
+
 def _same_bucket(mid, prefix):
     """An id (``prefix`` and a number) in the bucket of ``mid``."""
     return next(f"{prefix}{i}" for i in range(10000)
@@ -292,12 +297,12 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
     sync.remember(primary_opts, "m2", CATS, primary, inv, report)
     # nothing remembered of another peer: asked (two publishes)
-    assert sync.targeted_held(primary_opts, "m3", ["web1"]) is None
+    assert _held(primary_opts, "m3", ["web1"]) is None
 
     # accepted on the primary: known to be missing there, applied in one publish
     web2 = _same_bucket("web1", "web")
     (pki / "minions" / web2).write_bytes(gen_keypair(1024)[1])
-    held = sync.targeted_held(primary_opts, "m2", ["web1", web2])
+    held = _held(primary_opts, "m2", ["web1", web2])
     assert held["keys"] == {"web1": {"minions": primary["minion_keys"]["snapshot"].manifest[
         "minions"]["web1"]}, web2: {}}
     assert held["received"] == ["web1"]
@@ -313,7 +318,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     web3 = _same_bucket("web1", f"{web2}x")
     (pki / "minions" / web3).write_bytes(gen_keypair(1024)[1])
     os.rename(pki / "minions" / web2, pki / "minions_rejected" / web2)
-    held = sync.targeted_held(primary_opts, "m2", [web2, web3])
+    held = _held(primary_opts, "m2", [web2, web3])
     assert held is not None and held["received"] == [web2]
     _, report, got = _targeted(primary_opts, mopts, state, [web2, web3], held)
     assert sorted(report["minion_keys"]["added"]) == [f"minions/{web3}",
@@ -323,14 +328,14 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
         "digest"] == _peer_digest(mopts, tmp_path)
     # a full read replaces the snapshot: what the peer holds is known all the same
     sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
-    assert sync.targeted_held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
+    assert _held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
 
     # changed behind the primary's back: nothing applied, the keys of the ids
     # instead, and the usual second round plans a conflict
     other = gen_keypair(1024)[1]
     (ppki / "minions" / web3).write_bytes(other)
     (pki / "minions" / "web4").write_bytes(gen_keypair(1024)[1])
-    held = sync.targeted_held(primary_opts, "m2", [web3, "web4"])
+    held = _held(primary_opts, "m2", [web3, "web4"])
     primary, _, got = _targeted(primary_opts, mopts, state, [web3, "web4"], held)
     assert set(got) == {"backup", "inventory"} and not (ppki / "minions" / "web4").exists()
     assert got["inventory"] == peer.targeted_inventory(mopts, state, [web3, "web4"])
@@ -338,7 +343,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert report["minion_keys"]["conflicts"][0].startswith(f"minions/{web3}:")
     assert report["minion_keys"]["added"] == ["minions/web4"]
     sync.remember_targeted(primary_opts, "m2", held, primary, {"result": False}, False)
-    assert sync.targeted_held(primary_opts, "m2", ["web4"]) is None
+    assert _held(primary_opts, "m2", ["web4"]) is None
     assert sync.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
 
 

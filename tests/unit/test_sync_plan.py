@@ -104,6 +104,11 @@ def test_a_previous_state_that_does_not_match_its_digests_is_not_trusted():
     assert sync.unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
 
 
+def _held(opts, peer, ids):
+    """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
+    return sync.targeted_held(opts, peer, ids, sync.snapshot_keys(opts, ids))
+
+
 def _snapshot_of(tmp_path, man):
     """A primary whose saved key snapshot holds ``man``; its options."""
     opts = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki")}
@@ -124,7 +129,7 @@ def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(
     opts = _snapshot_of(tmp_path, before)
     sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
-    held = sync.targeted_held(opts, "p", ["web2", "new1", "gone"])
+    held = _held(opts, "p", ["web2", "new1", "gone"])
     assert held["keys"] == {"web2": {"minions": B}, "new1": {"minions_pre": C}, "gone": {}}
     assert held["received"] == ["new1", "web2"]
     # new1 accepted, web2 deleted, gone still absent on the primary
@@ -146,18 +151,18 @@ def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(
 def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(tmp_path):
     before = {"minions": {"web1": A}}
     opts = _snapshot_of(tmp_path, before)
-    assert sync.targeted_held(opts, "p", ["web1"]) is None  # never synced
+    assert _held(opts, "p", ["web1"]) is None  # never synced
     sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
         {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
     # the snapshot does not hold what the peer was confirmed to hold there
-    assert sync.targeted_held(opts, "p", ["web1"]) is None
+    assert _held(opts, "p", ["web1"]) is None
     os.unlink(tmp_path / "cache" / "multimaster" / sync.KEYS_SNAPSHOT_MANIFEST)
-    assert sync.targeted_held(opts, "p", ["web1"]) is None
+    assert _held(opts, "p", ["web1"]) is None
     # a sync that left conflicts forgets; so does one where the peer held otherwise
     opts2 = _snapshot_of(tmp_path / "2", before)
     sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
-    held = sync.targeted_held(opts2, "p", ["web1"])
+    held = _held(opts2, "p", ["web1"])
     rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
     sync.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
                            {"result": False, "minion_keys": rep}, True)
