@@ -535,23 +535,24 @@ def _sync_targeted(peer, conf, primary, held, force):
     of the ids (:func:`salt_multimaster.sync.targeted_held`) and publish the
     apply conditional on it (even with nothing to apply: the peer confirms).
     A peer holding something else answers with its keys of the ids, and is
-    planned from them; a peer refusing the condition (an older one) is asked
-    for them.  Returns ``(report, whether the peer applied on the
-    condition)``.
+    planned from them (the second round); a peer refusing the condition (an
+    older one) is asked for them.  Returns ``(report, the keys of the ids
+    planned from, or None after a refusal)``.
     """
     categories = ["minion_keys"]
-    got = _sync_one(peer, conf, categories, primary, sync_core.targeted_inventory(held), False,
-                    force, expect=protocol.targeted_expectation(held["keys"], held["received"]))
+    inv = sync_core.targeted_inventory(held)
+    got = _sync_one(peer, conf, categories, primary, inv, False, force,
+                    expect=protocol.targeted_expectation(held["keys"], held["received"]))
     if got is not None and "master_id" not in got:
-        return got, True
+        return got, inv
     if got is None:
         got, error = _ask_targeted([peer], primary["minion_keys"]["ids"], conf, False)[peer]
         if error:
-            return {"result": False, "error": error}, False
-    else:
-        log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
-                 ", ".join(primary["minion_keys"]["ids"]))
-    return _sync_one(peer, conf, categories, primary, got, False, force), False
+            return {"result": False, "error": error}, None
+        return _sync_one(peer, conf, categories, primary, got, False, force), None
+    log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
+             ", ".join(primary["minion_keys"]["ids"]))
+    return _sync_one(peer, conf, categories, primary, got, False, force), got
 
 
 def _ask_targeted(peers, ids, conf, test):
@@ -615,10 +616,10 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
             primary, invs = _inventories(conf, categories, peers, test)
 
         def one(peer):
-            inv, confirmed = {}, False
+            inv = {}
             try:
                 if ids and known.get(peer):
-                    res, confirmed = _sync_targeted(peer, conf, primary, known[peer], force)
+                    res, inv = _sync_targeted(peer, conf, primary, known[peer], force)
                 elif held.get(peer):
                     res, inv = _sync_remembered(peer, conf, categories, primary, held[peer],
                                                 force)
@@ -632,8 +633,7 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
             if not test and not ids:
                 sync_core.remember(__opts__, peer, categories, primary, inv or {}, res)
             elif not test:
-                sync_core.remember_targeted(__opts__, peer, known.get(peer), primary, res,
-                                            confirmed)
+                sync_core.remember_targeted(__opts__, peer, known.get(peer), primary, res, inv)
             return res
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:

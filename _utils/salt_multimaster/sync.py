@@ -633,10 +633,12 @@ def expected_inventory(held):
 # A targeted key sync in one publish: what the peer holds of some ids
 # ---------------------------------------------------------------------------
 # The peer's remembered ``minion_keys`` are its bucket digests (``digest``),
-# and ``ids``: the keys targeted syncs set since its last full sync
-# (``{id: {state: sha256}}``).  A bucket of the primary's saved key snapshot
-# with those ids in place is what the peer holds there when its digest is
-# the remembered one: exact, whichever snapshot it is.
+# and ``ids``: what targeted syncs since its last full sync found or left
+# there, ``{id: {"keys": {state: sha256}, "received": bool}}`` (received:
+# in its key history).  A bucket of the primary's saved key snapshot with
+# those ids in place is what the peer holds there when its digest is the
+# remembered one: exact, whichever snapshot it is.  Any other id it holds
+# there it received from the primary (a full sync records them).
 def snapshot_keys(opts, ids):
     """
     ``{bucket: {state: {id: sha256}}}`` of the buckets of ``ids`` in the
@@ -659,17 +661,17 @@ def snapshot_keys(opts, ids):
 
 
 def _overlay(part, ids):
-    """A bucket's keys with the keys of ``ids`` (``{id: {state: sha256}}``) in place of theirs."""
+    """A bucket's keys with the keys of ``ids`` (remembered ``ids``) in place of theirs."""
     ret = {state: {mid: sha for mid, sha in keys.items() if mid not in ids}
            for state, keys in part.items()}
-    for mid, keys in ids.items():
-        for state, sha in keys.items():
+    for mid, held in ids.items():
+        for state, sha in held["keys"].items():
             ret.setdefault(state, {})[mid] = sha
     return {state: keys for state, keys in ret.items() if keys}
 
 
 def _in(bucket, ids):
-    return {mid: keys for mid, keys in ids.items() if manifest.bucket_of(mid) == bucket}
+    return {mid: held for mid, held in ids.items() if manifest.bucket_of(mid) == bucket}
 
 
 def _bucket_digest(part):
@@ -681,21 +683,26 @@ def _keys_of(part, mid):
     return {state: keys[mid] for state, keys in part.items() if mid in keys}
 
 
+def _valid_ids(known):
+    return isinstance(known, dict) and all(
+        isinstance(held, dict) and isinstance(held.get("keys"), dict)
+        and isinstance(held.get("received"), bool) for held in known.values())
+
+
 def targeted_held(opts, peer, ids, base):
     """
     What ``peer`` holds of the keys of ``ids``, known exactly from what it
     was last confirmed to hold and ``base`` (:func:`snapshot_keys`), else
-    None (then ask it: two publishes).
-    ``{"keys": {id: {state: sha256}}, "received": [held ids it received
-    from the primary], ...}``; the rest is for :func:`remember_targeted`.
+    None (then ask it: two publishes).  ``{"keys": {id: {state: sha256}},
+    "received": [held ids in its key history], ...}``; the rest is for
+    :func:`remember_targeted`.
     """
     held = remembered(opts, peer, ["minion_keys"])
     if held is None or base is None:
         return None
     entry = held["minion_keys"]
     digest, known = entry.get("digest"), entry.get("ids", {})
-    if (not isinstance(digest, dict) or not isinstance(known, dict) or not all(
-            isinstance(keys, dict) for keys in known.values())):
+    if not isinstance(digest, dict) or not _valid_ids(known):
         return None
     parts = {}
     for bucket in {manifest.bucket_of(mid) for mid in ids}:
@@ -704,10 +711,9 @@ def targeted_held(opts, peer, ids, base):
             log.debug("multimaster: %s's keys of bucket %s not known", peer, bucket)
             return None
     keys = {mid: _keys_of(parts[manifest.bucket_of(mid)], mid) for mid in ids}
-    # a peer in step received every id it holds from the primary (checked
-    # against its key history all the same)
-    return {"keys": keys, "received": sorted(mid for mid, held in keys.items() if held),
-            "digest": digest, "ids": known, "base": base}
+    received = [mid for mid in sorted(ids) if keys[mid]
+                and (known[mid]["received"] if mid in known else True)]
+    return {"keys": keys, "received": received, "digest": digest, "ids": known, "base": base}
 
 
 def targeted_inventory(held):
@@ -719,15 +725,32 @@ def targeted_inventory(held):
     return {"minion_keys": {"manifest": man, "history": list(held["received"]), "errors": []}}
 
 
-def remember_targeted(opts, peer, held, primary, ret, confirmed):
+def _after(entry, rep, inv):
+    """
+    ``{id: {"keys", "received"}}`` of the targeted ids on a peer after a
+    clean apply of ``rep`` to it, from its keys of them before (``inv``):
+    the primary's keys; received as the peer's key history records it
+    (``peer.update_history``: a write adds the id, a removal alone drops it).
+    """
+    def ids(kinds):
+        return {item.split("/", 1)[1] for kind in kinds for item in rep[kind]}
+
+    written, removed = ids(("added", "updated")), ids(("removed",))
+    before = set(inv["minion_keys"].get("history") or [])
+    return {mid: {"keys": _keys_of(entry["manifest"], mid),
+                  "received": mid in written or (mid in before and mid not in removed)}
+            for mid in entry["ids"]}
+
+
+def remember_targeted(opts, peer, held, primary, ret, inv):
     """
     After a targeted key sync of ``peer``.  ``held``: what the primary knew
-    it held of the ids (:func:`targeted_held`, or None); ``confirmed``: the
-    peer applied on that condition.  A clean report then updates the
-    remembered digests of the ids' buckets exactly (those ids hold the
-    primary's keys now, the rest of each bucket as it was); a peer found
-    otherwise, or not clean, is forgotten; unknown, it is forgotten when
-    keys changed.
+    it held of the ids (:func:`targeted_held`, or None); ``inv``: the keys
+    of the ids it was planned from, the expected ones or its own (None: a
+    peer that refused the condition).  A clean report updates exactly the
+    remembered digests of the ids' buckets (those ids hold the primary's
+    keys now, the rest of each bucket is as it was); else ``minion_keys``
+    is forgotten, and when ``held`` is None only if keys changed.
     """
     rep = ret.get("minion_keys")
     entry = primary["minion_keys"]
@@ -735,26 +758,25 @@ def remember_targeted(opts, peer, held, primary, ret, confirmed):
         if isinstance(rep, dict) and any(rep.get(k) for k in ("added", "updated", "removed")):
             forget(opts, peer, ["minion_keys"])
         return
-    clean = (confirmed and ret.get("result") and isinstance(rep, dict) and not rep.get("errors")
-             and not rep.get("conflicts") and not rep.get("unconfirmed")
+    clean = (inv is not None and ret.get("result") and isinstance(rep, dict)
+             and not rep.get("errors") and not rep.get("conflicts") and not rep.get("unconfirmed")
              and not entry.get("damaged") and not primary.get("errors"))
     if not clean:
         forget(opts, peer, ["minion_keys"])
         return
     known = dict(held["ids"])
-    known.update({mid: _keys_of(entry["manifest"], mid) for mid in entry["ids"]})
+    known.update(_after(entry, rep, inv))
     digest = dict(held["digest"])
-    for bucket, base in ((b, held["base"].get(b, {})) for b in {
-            manifest.bucket_of(mid) for mid in entry["ids"]}):
-        mine = _in(bucket, known)
+    for bucket in {manifest.bucket_of(mid) for mid in entry["ids"]}:
+        base, mine = held["base"].get(bucket, {}), _in(bucket, known)
         part = _overlay(base, mine)
         if part:
             digest[bucket] = _bucket_digest(part)
         else:
             digest.pop(bucket, None)
-        # the snapshot holds these already
-        for mid, keys in mine.items():
-            if _keys_of(base, mid) == keys:
+        # as the snapshot says (and received, if held): no need to remember
+        for mid, now in mine.items():
+            if _keys_of(base, mid) == now["keys"] and (now["received"] or not now["keys"]):
                 del known[mid]
     if len(known) > MAX_HELD_IDS:
         forget(opts, peer, ["minion_keys"])

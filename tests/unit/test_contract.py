@@ -268,19 +268,29 @@ def _same_bucket(mid, prefix):
 
 
 def _targeted(primary_opts, mopts, state, ids, held, force=False):
-    """One targeted sync in one publish, as the runner runs it: ``(report, peer reply)``."""
+    """
+    One targeted sync as the runner runs it when it knows what the peer
+    holds (``held``): the conditional apply, and the second round when the
+    peer answers with its keys.  ``(primary, report, first reply)``.
+    """
     primary = sync.read_primary_keys(primary_opts, ids)
-    ops, report = sync.plan("shared", ["minion_keys"], primary, sync.targeted_inventory(held),
-                            force)
-    ops = {c: o for c, o in ops.items() if o}
-    sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
-    got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
-                     expect=protocol.targeted_expectation(held["keys"], held["received"]))
-    if "inventory" not in got:
-        sync.merge(report, got)
-        sync.remember_targeted(primary_opts, "m2", held, primary,
-                               {"result": True, "minion_keys": report["minion_keys"]}, True)
-    return primary, report, got
+    inv = sync.targeted_inventory(held)
+    expect = protocol.targeted_expectation(held["keys"], held["received"])
+    for _ in range(2):
+        ops, report = sync.plan("shared", ["minion_keys"], primary, inv, force)
+        ops = {c: o for c, o in ops.items() if o}
+        sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+        got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
+                         expect=expect)
+        first = first if expect is None else got
+        if "inventory" not in got:
+            break
+        inv, expect = got["inventory"], None
+    sync.merge(report, got)
+    result = not report["minion_keys"]["conflicts"] and not report["minion_keys"]["errors"]
+    sync.remember_targeted(primary_opts, "m2", held, primary,
+                           {"result": result, "minion_keys": report["minion_keys"]}, inv)
+    return primary, report, first
 
 
 def _peer_digest(mopts, tmp_path):
@@ -330,20 +340,44 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
     assert _held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
 
-    # changed behind the primary's back: nothing applied, the keys of the ids
-    # instead, and the usual second round plans a conflict
+    # the peer's own pending key for a new id (its minion asked it too): not
+    # as expected, its keys of the ids instead; the second round plans from
+    # them, and the primary remembers that key as not received from it
+    new_key = gen_keypair(1024)[1]
+    (ppki / "minions_pre" / "pend5").write_bytes(new_key)
+    (pki / "minions_pre" / "pend5").write_bytes(new_key)
+    held = _held(primary_opts, "m2", ["pend5"])
+    assert held["keys"] == {"pend5": {}}
+    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"], held)
+    assert set(got) == {"backup", "inventory"} and got["inventory"]["minion_keys"][
+        "history"] == []
+    assert all(report["minion_keys"][k] == [] for k in ("added", "removed", "conflicts"))
+    assert _held(primary_opts, "m2", ["pend5"])["received"] == []
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+    # accepted on the primary: one round again, and the key moved on the peer
+    os.rename(pki / "minions_pre" / "pend5", pki / "minions" / "pend5")
+    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"],
+                               _held(primary_opts, "m2", ["pend5"]))
+    assert "inventory" not in got and report["minion_keys"]["added"] == ["minions/pend5"]
+    assert report["minion_keys"]["removed"] == ["minions_pre/pend5"]
+    assert _held(primary_opts, "m2", ["pend5"])["received"] == ["pend5"]
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+
+    # another key behind the primary's back: a conflict, forgotten
     other = gen_keypair(1024)[1]
     (ppki / "minions" / web3).write_bytes(other)
-    (pki / "minions" / "web4").write_bytes(gen_keypair(1024)[1])
-    held = _held(primary_opts, "m2", [web3, "web4"])
-    primary, _, got = _targeted(primary_opts, mopts, state, [web3, "web4"], held)
-    assert set(got) == {"backup", "inventory"} and not (ppki / "minions" / "web4").exists()
-    assert got["inventory"] == peer.targeted_inventory(mopts, state, [web3, "web4"])
-    _, report = sync.plan("shared", ["minion_keys"], primary, got["inventory"], False)
+    (pki / "minions" / "fresh4").write_bytes(gen_keypair(1024)[1])
+    held = _held(primary_opts, "m2", [web3, "fresh4"])
+    _, report, got = _targeted(primary_opts, mopts, state, [web3, "fresh4"], held)
+    assert set(got) == {"backup", "inventory"}
+    assert got["inventory"]["minion_keys"]["manifest"]["minions"] == {
+        web3: manifest.key_sha(other)}
     assert report["minion_keys"]["conflicts"][0].startswith(f"minions/{web3}:")
-    assert report["minion_keys"]["added"] == ["minions/web4"]
-    sync.remember_targeted(primary_opts, "m2", held, primary, {"result": False}, False)
-    assert _held(primary_opts, "m2", ["web4"]) is None
+    assert report["minion_keys"]["added"] == ["minions/fresh4"]
+    assert (ppki / "minions" / web3).read_bytes() == other
+    assert _held(primary_opts, "m2", ["fresh4"]) is None
     assert sync.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
 
 

@@ -143,7 +143,7 @@ def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(
                             False)
     assert sorted(report["minion_keys"]["removed"]) == ["minions/web2", "minions_pre/new1"]
     sync.remember_targeted(opts, "p", held, primary, {"result": True, "minion_keys": report[
-        "minion_keys"]}, True)
+        "minion_keys"]}, sync.targeted_inventory(held))
     assert sync.remembered(opts, "p", ["minion_keys"])["minion_keys"]["digest"] == (
         manifest.digest_of_keys(now))
 
@@ -165,5 +165,11 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
     held = _held(opts2, "p", ["web1"])
     rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
     sync.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
-                           {"result": False, "minion_keys": rep}, True)
+                           {"result": False, "minion_keys": rep}, sync.targeted_inventory(held))
+    assert sync.remembered(opts2, "p", ["minion_keys"]) is None
+    # a peer that refused the condition (an older one): forgotten too
+    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
+        before)}}, {}, {"minion_keys": replicate.empty_report()})
+    sync.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
+        before, ["web1"]), {"result": True, "minion_keys": replicate.empty_report()}, None)
     assert sync.remembered(opts2, "p", ["minion_keys"]) is None
