@@ -441,22 +441,30 @@ def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
                       peer=peer, phase="apply", total=total)
 
     try:
-        return _Job([peer], "multimaster_peer.apply", kwarg, wait).replies(still)[peer]
+        got = _Job([peer], "multimaster_peer.apply", kwarg, wait).wait(still).get(peer)
     finally:
         if token:
             sync_core.revoke(__opts__, token, _jid_dir)
+    if expect is not None and protocol.refused(got):
+        # nothing applied (a peer older than this expectation refuses it)
+        log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
+        return {"refused": got["error"]}, None
+    return protocol.check_reply(peer, "multimaster_peer.apply", got)
 
 
 def _sync_one(peer, conf, categories, primary, inv, test, force, expect=None):
     """
     Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
     ``expect`` (``inv`` is then what the primary last confirmed it held),
-    the apply is conditional: ``None`` when there is nothing to apply, or
-    the peer's own inventory when it does not hold what was expected.
+    the apply is conditional: ``None`` when there is nothing to apply (a
+    targeted key sync publishes it all the same: the peer confirms) or the
+    peer refused the condition, or the peer's own inventory when it does
+    not hold what was expected.
     """
     ops, plan_report = sync_core.plan(conf["topology"], categories, primary, inv, force)
     ops = {c: o for c, o in ops.items() if o}
-    if expect is not None and not ops:
+    targeted = "ids" in (primary.get("minion_keys") or {})
+    if expect is not None and not ops and not targeted:
         return None
     ret = {"result": True}
     ret.update(plan_report)
@@ -471,13 +479,16 @@ def _sync_one(peer, conf, categories, primary, inv, test, force, expect=None):
     keys = inv.get("minion_keys") or {}
     keys_digest = (primary["minion_keys"].get("digest")
                    if "minion_keys" in categories else None)
-    if not test and (ops or (keys_digest and keys.get("history_recorded") is False)):
+    if not test and (ops or expect is not None
+                     or (keys_digest and keys.get("history_recorded") is False)):
         applied, error = _apply(peer, conf, ops, primary, how, keys_digest, expect)
         if error:
             ret["result"] = False
             ret["error"] = error
             sync_core.unconfirmed(ret, categories)
             return ret
+        if "refused" in applied:
+            return None
         if "inventory" in applied:
             return applied["inventory"]
         sync_core.merge(plan_report, applied)
@@ -518,6 +529,40 @@ def _sync_remembered(peer, conf, categories, primary, held, force):
     return _sync_one(peer, conf, categories, primary, inv, False, force), inv
 
 
+def _sync_targeted(peer, conf, primary, held, force):
+    """
+    A targeted key sync in one publish: plan ``peer`` as holding ``held``
+    of the ids (:func:`salt_multimaster.sync.targeted_held`) and publish the
+    apply conditional on it (even with nothing to apply: the peer confirms).
+    A peer holding something else answers with its keys of the ids, and is
+    planned from them (the second round); a peer refusing the condition (an
+    older one) is asked for them.  Returns ``(report, the keys of the ids
+    planned from, or None after a refusal)``.
+    """
+    categories = ["minion_keys"]
+    inv = sync_core.targeted_inventory(held)
+    got = _sync_one(peer, conf, categories, primary, inv, False, force,
+                    expect=protocol.targeted_expectation(held["keys"], held["received"]))
+    if got is not None and "master_id" not in got:
+        return got, inv
+    if got is None:
+        got, error = _ask_targeted([peer], primary["minion_keys"]["ids"], conf, False)[peer]
+        if error:
+            return {"result": False, "error": error}, None
+        return _sync_one(peer, conf, categories, primary, got, False, force), None
+    log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
+             ", ".join(primary["minion_keys"]["ids"]))
+    return _sync_one(peer, conf, categories, primary, got, False, force), got
+
+
+def _ask_targeted(peers, ids, conf, test):
+    """Every peer's keys of ``ids``: ``{peer: (reply, error)}``."""
+    request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
+                               minion_ids=ids, test=test)
+    return _Job(peers, "multimaster_peer.inventory", request,
+                conf["timeout"]).replies(_inventory_wait(peers))
+
+
 def _sync(peers, only, test, force, minion_ids, **kwargs):
     try:
         _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
@@ -550,13 +595,17 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
         _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
         held = {} if test or conf["rescan"] or ids else {
             peer: sync_core.remembered(__opts__, peer, categories) for peer in peers}
+        known = {}
         if ids:
-            # targeted: the peers' keys of these ids, planned here like a full sync
+            # targeted: the peers' keys of these ids, planned here like a full
+            # sync; known from what a peer was last confirmed to hold, one publish
             primary = sync_core.read_primary_keys(__opts__, ids)
-            request = protocol.request("multimaster_peer.inventory", categories=categories,
-                                       minion_ids=ids, test=test)
-            invs = _Job(peers, "multimaster_peer.inventory", request,
-                        conf["timeout"]).replies(_inventory_wait(peers))
+            if not test:
+                base = sync_core.snapshot_keys(__opts__, ids)
+                known = {peer: sync_core.targeted_held(__opts__, peer, ids, base)
+                         for peer in peers}
+            slow = [peer for peer in peers if not known.get(peer)]
+            invs = _ask_targeted(slow, ids, conf, test) if slow else {}
         elif any(held.values()):
             # what a peer holds is known: read here first, then one publish each
             primary = _read_primary(conf, categories)
@@ -569,7 +618,9 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
         def one(peer):
             inv = {}
             try:
-                if held.get(peer):
+                if ids and known.get(peer):
+                    res, inv = _sync_targeted(peer, conf, primary, known[peer], force)
+                elif held.get(peer):
                     res, inv = _sync_remembered(peer, conf, categories, primary, held[peer],
                                                 force)
                 else:
@@ -581,9 +632,8 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
                 res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
             if not test and not ids:
                 sync_core.remember(__opts__, peer, categories, primary, inv or {}, res)
-            elif not test and any((res.get("minion_keys") or {}).get(kind)
-                                  for kind in ("added", "updated", "removed")):
-                sync_core.forget(__opts__, peer, ["minion_keys"])
+            elif not test:
+                sync_core.remember_targeted(__opts__, peer, known.get(peer), primary, res, inv)
             return res
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
@@ -640,10 +690,12 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
     force
         Replace conflicting minion keys and remove keys found only on a peer.
     minion_ids
-        Sync the keys of these minions only (implies ``only=minion_keys``): one
-        publish instead of an inventory and an apply, and no listing of every
-        key.  The ``salt/key`` reactor passes the ids of its events.  Past
-        200 ids, a full ``minion_keys`` sync runs instead.
+        Sync the keys of these minions only (implies ``only=minion_keys``), no
+        listing of every key: one publish per peer (the apply) when the
+        primary knows what the peer holds of them since its last sync, else
+        an inventory of those ids and an apply.  The ``salt/key`` reactor
+        passes the ids of its events.  Past 200 ids, a full ``minion_keys``
+        sync runs instead.
     rescan
         List and stat every key dir on the primary and the peers, even those
         unchanged since the last sync (which a sync otherwise takes from its

@@ -491,10 +491,21 @@ def check_expected(mopts, state_dir, expect, topology, config_keys):
     ``(held, inventory)``: whether this peer holds what the primary
     expects (``expect``: :func:`protocol.expectation`), and its inventory
     against those digests (what the primary plans from when it does not).
+    A targeted expectation (:func:`protocol.targeted_expectation`) is
+    checked against this peer's keys of its ids only
+    (:func:`targeted_inventory`: no listing of every key).
     """
     if not isinstance(expect, dict) or not expect:
         raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
                                     f"not {expect!r}")
+    try:
+        ids = protocol.targeted_ids(expect)
+    except protocol.ProtocolError as exc:
+        raise validate.InvalidInput(f"expect: {exc}") from None
+    if ids is not None:
+        # a targeted key sync: the keys of these ids only, a few stats each
+        inv = targeted_inventory(mopts, state_dir, validate.minion_ids(ids))
+        return protocol.holds(expect, inv), inv
     validate.categories(list(expect), "expect")
     if config_keys is not None:
         validate.config_keys(config_keys)
@@ -520,18 +531,20 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     applied).  ``keys_digest``: the primary's minion key digests, for the
     history record (:func:`record_history`).
 
-    ``expect`` (a change sync in one round trip): apply only if this peer
-    holds what the primary expects (:func:`check_expected`); else apply
-    nothing and answer ``{"backup": None, "inventory": ...}``.  When it
-    does, the reply carries what the inventory says of the master
-    (``master_running``, ``master_address``, ``restart_pending``).
+    ``expect`` (a change sync, or a targeted key sync, in one round trip):
+    apply only if this peer holds what the primary expects
+    (:func:`check_expected`); else apply nothing and answer ``{"backup":
+    None, "inventory": ...}``.  When it does, the reply of a full sync
+    carries what the inventory says of the master (``master_running``,
+    ``master_address``, ``restart_pending``).
     """
     status = {}
     if expect is not None:
         held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
         if not held:
             return {"backup": None, "inventory": inv}
-        status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")}
+        status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")
+                  if k in inv}
     app = Applier(mopts, state_dir, unseal)
     if pull_token:
         app.puller = Puller(app, pull_token, pull_chunks, pull)

@@ -461,7 +461,11 @@ def test_conflicts_are_reported_and_forced(cluster):
 
 
 def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
-    """minion_ids (what the salt/key reactor passes): one publish, same plan."""
+    """
+    minion_ids (what the salt/key reactor passes): same plan, and after a
+    full sync one publish per peer (an apply, no inventory): the primary
+    knows what each peer holds of the ids.
+    """
     pki = cluster.pki_dir(cluster.primary)
     (pki / "minions" / "tgt1").write_bytes(gen_keypair(1024)[1])
     (pki / "minions" / "untargeted").write_bytes(gen_keypair(1024)[1])
@@ -473,6 +477,7 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
             "added": ["minions/tgt1"], "updated": [], "removed": [], "conflicts": [], "errors": []}}
     assert [_snapshot(p) for p in cluster.peers] == before
 
+    before = _peer_jobs(cluster)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
     assert ret.returncode == 0, ret
     for peer, pm in zip(cluster.peers, cluster.peer_minions):
@@ -480,9 +485,13 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
         ppki = cluster.pki_dir(peer)
         assert (ppki / "minions" / "tgt1").read_bytes() == (pki / "minions" / "tgt1").read_bytes()
         assert not (ppki / "minions" / "untargeted").exists()
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
 
-    # rejected on the primary: moved on the peers, the old file backed up
+    # rejected on the primary: moved on the peers, the old file backed up;
+    # still one publish each (the primary remembered what the last one set)
     (pki / "minions" / "tgt1").rename(pki / "minions_rejected" / "tgt1")
+    before = _peer_jobs(cluster)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
     assert ret.returncode == 0, ret
     for peer, pm in zip(cluster.peers, cluster.peer_minions):
@@ -491,9 +500,31 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
         assert res["minion_keys"]["removed"] == ["minions/tgt1"], res
         assert (pathlib.Path(res["backup"]) / "minion_keys" / "minions" / "tgt1").exists()
         assert not (cluster.pki_dir(peer) / "minions" / "tgt1").exists()
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
+
+    # the key deleted on the first peer behind the primary's back, accepted
+    # again on the primary: that peer answers the conditional apply with its
+    # keys of the id and converges in a second apply; the other, one apply
+    peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
+    (cluster.pki_dir(peer0) / "minions_rejected" / "tgt1").unlink()
+    (pki / "minions_rejected" / "tgt1").rename(pki / "minions" / "tgt1")
+    before = _peer_jobs(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
+    assert ret.returncode == 0, ret
+    assert ret.data[pm0.id]["minion_keys"]["added"] == ["minions/tgt1"], ret.data
+    assert ret.data[pm0.id]["minion_keys"]["removed"] == [], ret.data
+    res = ret.data[cluster.peer_minions[1].id]
+    assert res["minion_keys"]["added"] == ["minions/tgt1"], res
+    assert res["minion_keys"]["removed"] == ["minions_rejected/tgt1"], res
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 3}, new
+    for peer in cluster.peers:
+        assert (cluster.pki_dir(peer) / "minions" / "tgt1").read_bytes() == (
+            pki / "minions" / "tgt1").read_bytes()
+        assert not (cluster.pki_dir(peer) / "minions_rejected" / "tgt1").exists()
 
     # a different key for the id on a peer is a conflict there, untouched
-    peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
     other = gen_keypair(1024)[1]
     (cluster.pki_dir(peer0) / "minions" / "tgt2").write_bytes(other)
     (pki / "minions" / "tgt2").write_bytes(gen_keypair(1024)[1])
@@ -511,7 +542,7 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1",
                            "only=file_roots")
     assert ret.returncode != 0 and "file_roots" in ret.data["error"], ret
-    for name in ("minions_rejected/tgt1", "minions/tgt2", "minions/untargeted"):
+    for name in ("minions/tgt1", "minions/tgt2", "minions/untargeted"):
         (pki / name).unlink()
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
     assert ret.returncode == 0, ret

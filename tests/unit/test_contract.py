@@ -253,3 +253,157 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     _assert_replica(primary_opts, mopts)
     with pytest.raises(validate.InvalidInput, match="expect must be a mapping"):
         peer.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
+
+
+def _held(opts, peer, ids):
+    """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
+    return sync.targeted_held(opts, peer, ids, sync.snapshot_keys(opts, ids))
+
+
+def _same_bucket(mid, prefix):
+    """An id (``prefix`` and a number) in the bucket of ``mid``."""
+    return next(f"{prefix}{i}" for i in range(10000)
+                if manifest.bucket_of(f"{prefix}{i}") == manifest.bucket_of(mid)
+                and f"{prefix}{i}" != mid)
+
+
+def _targeted(primary_opts, mopts, state, ids, held, force=False):
+    """
+    One targeted sync as the runner runs it when it knows what the peer
+    holds (``held``): the conditional apply, and the second round when the
+    peer answers with its keys.  ``(primary, report, first reply)``.
+    """
+    primary = sync.read_primary_keys(primary_opts, ids)
+    inv = sync.targeted_inventory(held)
+    expect = protocol.targeted_expectation(held["keys"], held["received"])
+    for _ in range(2):
+        ops, report = sync.plan("shared", ["minion_keys"], primary, inv, force)
+        ops = {c: o for c, o in ops.items() if o}
+        sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+        got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
+                         expect=expect)
+        first = first if expect is None else got
+        if "inventory" not in got:
+            break
+        inv, expect = got["inventory"], None
+    sync.merge(report, got)
+    result = not report["minion_keys"]["conflicts"] and not report["minion_keys"]["errors"]
+    sync.remember_targeted(primary_opts, "m2", held, primary,
+                           {"result": result, "minion_keys": report["minion_keys"]}, inv)
+    return primary, report, first
+
+
+def _peer_digest(mopts, tmp_path):
+    """The peer's key digests as its inventory computes them."""
+    return manifest.KeysSnapshot(mopts["pki_dir"], str(tmp_path / "fresh-snapshot")).digest
+
+
+def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to_hold(pair):
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    pki, ppki = tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"
+    state = str(tmp_path / "m2-minion-state")
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
+    inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
+    sync.remember(primary_opts, "m2", CATS, primary, inv, report)
+    # nothing remembered of another peer: asked (two publishes)
+    assert _held(primary_opts, "m3", ["web1"]) is None
+
+    # accepted on the primary: known to be missing there, applied in one publish
+    web2 = _same_bucket("web1", "web")
+    (pki / "minions" / web2).write_bytes(gen_keypair(1024)[1])
+    held = _held(primary_opts, "m2", ["web1", web2])
+    assert held["keys"] == {"web1": {"minions": primary["minion_keys"]["snapshot"].manifest[
+        "minions"]["web1"]}, web2: {}}
+    assert held["received"] == ["web1"]
+    _, report, got = _targeted(primary_opts, mopts, state, ["web1", web2], held)
+    assert report["minion_keys"]["added"] == [f"minions/{web2}"]
+    assert got["minion_keys"] == {"errors": [], "failed": []} and "inventory" not in got
+    assert (ppki / "minions" / web2).read_bytes() == (pki / "minions" / web2).read_bytes()
+    # remembered exactly: what the peer's own inventory digests, for a full sync too
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+
+    # the same bucket again, the primary's snapshot unchanged: still known
+    web3 = _same_bucket("web1", f"{web2}x")
+    (pki / "minions" / web3).write_bytes(gen_keypair(1024)[1])
+    os.rename(pki / "minions" / web2, pki / "minions_rejected" / web2)
+    held = _held(primary_opts, "m2", [web2, web3])
+    assert held is not None and held["received"] == [web2]
+    _, report, got = _targeted(primary_opts, mopts, state, [web2, web3], held)
+    assert sorted(report["minion_keys"]["added"]) == [f"minions/{web3}",
+                                                      f"minions_rejected/{web2}"]
+    assert report["minion_keys"]["removed"] == [f"minions/{web2}"]
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+    # a full read replaces the snapshot: what the peer holds is known all the same
+    sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
+    assert _held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
+
+    # the peer's own pending key for a new id (its minion asked it too): not
+    # as expected, its keys of the ids instead; the second round plans from
+    # them, and the primary remembers that key as not received from it
+    new_key = gen_keypair(1024)[1]
+    (ppki / "minions_pre" / "pend5").write_bytes(new_key)
+    (pki / "minions_pre" / "pend5").write_bytes(new_key)
+    held = _held(primary_opts, "m2", ["pend5"])
+    assert held["keys"] == {"pend5": {}}
+    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"], held)
+    assert set(got) == {"backup", "inventory"} and got["inventory"]["minion_keys"][
+        "history"] == []
+    assert all(report["minion_keys"][k] == [] for k in ("added", "removed", "conflicts"))
+    assert _held(primary_opts, "m2", ["pend5"])["received"] == []
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+    # accepted on the primary: one round again, and the key moved on the peer
+    os.rename(pki / "minions_pre" / "pend5", pki / "minions" / "pend5")
+    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"],
+                               _held(primary_opts, "m2", ["pend5"]))
+    assert "inventory" not in got and report["minion_keys"]["added"] == ["minions/pend5"]
+    assert report["minion_keys"]["removed"] == ["minions_pre/pend5"]
+    assert _held(primary_opts, "m2", ["pend5"])["received"] == ["pend5"]
+    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+        "digest"] == _peer_digest(mopts, tmp_path)
+
+    # another key behind the primary's back: a conflict, forgotten
+    other = gen_keypair(1024)[1]
+    (ppki / "minions" / web3).write_bytes(other)
+    (pki / "minions" / "fresh4").write_bytes(gen_keypair(1024)[1])
+    held = _held(primary_opts, "m2", [web3, "fresh4"])
+    _, report, got = _targeted(primary_opts, mopts, state, [web3, "fresh4"], held)
+    assert set(got) == {"backup", "inventory"}
+    assert got["inventory"]["minion_keys"]["manifest"]["minions"] == {
+        web3: manifest.key_sha(other)}
+    assert report["minion_keys"]["conflicts"][0].startswith(f"minions/{web3}:")
+    assert report["minion_keys"]["added"] == ["minions/fresh4"]
+    assert (ppki / "minions" / web3).read_bytes() == other
+    assert _held(primary_opts, "m2", ["fresh4"]) is None
+    assert sync.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
+
+
+def test_a_targeted_expectation_checks_the_key_history_too(pair):
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    state = str(tmp_path / "m2-minion-state")
+    key = gen_keypair(1024)[1]
+    for pki in (tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"):
+        (pki / "minions" / "web1").write_bytes(key)
+    sha = manifest.key_sha(key)
+    # the peer holds the key, never received from the primary: not as expected
+    expect = protocol.targeted_expectation({"web1": {"minions": sha}}, ["web1"])
+    held, inv = peer.check_expected(mopts, state, expect, "shared", None)
+    assert held is False and inv["minion_keys"]["history"] == []
+    assert peer.check_expected(mopts, state, protocol.targeted_expectation(
+        {"web1": {"minions": sha}}, []), "shared", None)[0] is True
+    # a damaged key on the peer is never "as expected": the inventory names it
+    (tmp_path / "m2" / "pki" / "minions" / "web1").write_text("not a key")
+    held, inv = peer.check_expected(mopts, state, protocol.targeted_expectation(
+        {"web1": {}}, []), "shared", None)
+    assert held is False and inv["minion_keys"]["errors"]
+    for bad in ({"minion_keys": {"ids": {"../x": {}}, "received": []}},
+                {"minion_keys": {"ids": {"a": {}}, "received": ["b"]}},
+                {"minion_keys": {"ids": {"a": []}, "received": []}},
+                {"minion_keys": {"ids": {"a": {}}, "received": []}, "file_roots": {}}):
+        with pytest.raises(validate.InvalidInput):
+            peer.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
+                       expect=bad)
+    assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
