@@ -19,7 +19,6 @@ merges, :mod:`salt_multimaster.protocol` is the wire format); this module
 holds the Salt-facing parts: configuration, publishes, events, exit codes.
 """
 
-import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -46,14 +45,14 @@ __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "jobs", "layout", "lock", "manifest",
-                                  "membership", "protocol", "replicate", "report", "rotation",
-                                  "validate")}
+                                 "membership", "protocol", "replicate", "report", "rotation",
+                                 "rounds", "validate")}
 _CORE["sync_core"] = "sync"
 
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, jobs, layout, lock, manifest, membership,
-                                  protocol, replicate, report, rotation, validate)
+                                  protocol, replicate, report, rotation, rounds, validate)
     # the public function sync() takes the module's name
     from salt_multimaster import sync as sync_core
 
@@ -346,221 +345,19 @@ class _Job:
         self.client.destroy()
 
 
-def _inventory_request(conf, categories, digests, test):
-    return protocol.request(
-        "multimaster_peer.inventory", categories=categories, digests=digests,
-        topology=conf["topology"], config_keys=conf["master_config_keys"], test=test,
-        rescan=conf["rescan"] or None)
-
-
-def _read_primary(conf, categories, saved=None):
-    return sync_core.read_primary(__opts__, categories, conf["topology"],
-                                  conf["master_config_keys"], conf["rescan"], saved)
-
-
-def _inventory_wait(peers):
-    """The ``on_wait`` of an inventory job: one progress line now and then."""
-    _progress(f"multimaster: asking {', '.join(peers)} for an inventory", phase="inventory")
-    return lambda seconds: _progress(
-        f"multimaster: waiting for the inventory of {', '.join(peers)}, {seconds:.0f} s",
-        phase="inventory")
-
-
-def _ask(peers, conf, categories, digests, test):
-    """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
-    return _Job(peers, "multimaster_peer.inventory",
-                _inventory_request(conf, categories, digests, test),
-                conf["timeout"]).replies(_inventory_wait(peers))
-
-
-def _inventories(conf, categories, peers, test):
+class _Salt:
     """
-    The primary's state and every peer's inventory ``{peer: (reply, error)}``.
-    The inventory publish carries the digests of the primary's last read and
-    goes out first; the primary reads its state while the peers answer.  A
-    peer in step answers with digests only; for a bucket the primary changed
-    since, the peer's content is the primary's previous one
-    (:func:`salt_multimaster.sync.plan`).  A peer that cannot be planned so
-    (no previous state) is asked again with the current digests.
+    What the rounds of a sync (:class:`salt_multimaster.rounds.Rounds`)
+    ask of Salt: publishing to the peers, progress lines, the job cache.
     """
-    digests, saved = sync_core.saved_state(__opts__, categories)
-    if set(digests) != set(categories) & set(sync_core.BUCKETED):
-        # nothing saved yet (first sync): a peer in step would detail everything
-        primary = _read_primary(conf, categories, saved)
-        return primary, _ask(peers, conf, categories,
-                             sync_core.current_digests(primary, categories), test)
-    job = _Job(peers, "multimaster_peer.inventory",
-               _inventory_request(conf, categories, digests, test), conf["timeout"])
-    try:
-        primary = _read_primary(conf, categories, saved)
-    finally:
-        invs = job.replies(_inventory_wait(peers))
-    again = [peer for peer in peers
-             if sync_core.unplannable(categories, primary, invs[peer][0], digests)]
-    if again:
-        log.info("multimaster: asking %s again with the current digests", ", ".join(again))
-        invs.update(_ask(again, conf, categories,
-                         sync_core.current_digests(primary, categories), test))
-    return primary, invs
 
+    publish = _Job
+    progress = staticmethod(_progress)
 
-def _jid_dir(jid):
-    return salt.utils.jid.jid_dir(jid, os.path.join(__opts__["cachedir"], "jobs"),
-                                  __opts__["hash_type"])
-
-
-def _apply(peer, conf, ops, primary, how, keys_digest=None, expect=None):
-    """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
-    chunks = sync_core.attach_contents(__opts__, peer, ops, primary, how) if ops else None
-    kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
-                             backup_keep=conf["backup_keep"], keys_digest=keys_digest,
-                             expect=expect,
-                             config_keys=conf["master_config_keys"] if expect else None)
-    token = None
-    if chunks is not None:
-        # the operations travel with the first chunk, pulled point-to-point
-        token = sync_core.grant(__opts__, peer, ops, chunks)
-        kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
-    # a large apply (an initial sync) takes longer than an inventory:
-    # allow for 10 operations a second on top of the timeout
-    total = sum(len(o) for o in ops.values())
-    wait = conf["timeout"] + total // 10
-    if total:
-        _progress(f"multimaster: {peer}: applying {total} change(s)"
-                  + (f" ({len(chunks)} pull chunk(s))" if chunks else ""),
-                  peer=peer, phase="apply", done=0, total=total)
-
-    def still(seconds):
-        if chunks:
-            served, done = sync_core.pulled(__opts__, token, chunks)
-            _progress(f"multimaster: {peer}: applying, {done}/{total} pulled "
-                      f"({served}/{len(chunks)} chunks), {seconds:.0f} s",
-                      peer=peer, phase="apply", done=done, total=total)
-        else:
-            _progress(f"multimaster: {peer}: applying {total} change(s), {seconds:.0f} s",
-                      peer=peer, phase="apply", total=total)
-
-    try:
-        got = _Job([peer], "multimaster_peer.apply", kwarg, wait).wait(still).get(peer)
-    finally:
-        if token:
-            sync_core.revoke(__opts__, token, _jid_dir)
-    if expect is not None and protocol.refused(got):
-        # nothing applied (a peer older than this expectation refuses it)
-        log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
-        return {"refused": got["error"]}, None
-    return protocol.check_reply(peer, "multimaster_peer.apply", got)
-
-
-def _sync_one(peer, conf, categories, primary, inv, test, force, expect=None):
-    """
-    Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
-    ``expect`` (``inv`` is then what the primary last confirmed it held),
-    the apply is conditional: ``None`` when there is nothing to apply (a
-    targeted key sync publishes it all the same: the peer confirms) or the
-    peer refused the condition, or the peer's own inventory when it does
-    not hold what was expected.
-    """
-    ops, plan_report = sync_core.plan(conf["topology"], categories, primary, inv, force)
-    ops = {c: o for c, o in ops.items() if o}
-    targeted = "ids" in (primary.get("minion_keys") or {})
-    if expect is not None and not ops and not targeted:
-        return None
-    ret = {"result": True}
-    ret.update(plan_report)
-    how = sync_core.transport(__opts__, peer, ops, conf["inline_limit"],
-                              conf["pull_min_files"]) if ops else None
-    if how and how["error"]:
-        ret["result"] = False
-        ret["error"] = how["error"]
-        if not test:
-            sync_core.unconfirmed(ret, categories)
-        return ret
-    keys = inv.get("minion_keys") or {}
-    keys_digest = (primary["minion_keys"].get("digest")
-                   if "minion_keys" in categories else None)
-    if not test and (ops or expect is not None
-                     or (keys_digest and keys.get("history_recorded") is False)):
-        applied, error = _apply(peer, conf, ops, primary, how, keys_digest, expect)
-        if error:
-            ret["result"] = False
-            ret["error"] = error
-            sync_core.unconfirmed(ret, categories)
-            return ret
-        if "refused" in applied:
-            return None
-        if "inventory" in applied:
-            return applied["inventory"]
-        sync_core.merge(plan_report, applied)
-        for key in ("restart", "backup"):
-            if applied.get(key):
-                ret[key] = applied[key]
-        if expect is not None:
-            # the peer's master as the peer found it before applying
-            inv = dict(inv, **{k: applied.get(k) for k in
-                               ("master_running", "master_address", "restart_pending")})
-    return sync_core.finish(peer, ret, inv, categories)
-
-
-def _sync_remembered(peer, conf, categories, primary, held, force):
-    """
-    A change sync in one publish: plan ``peer`` as holding what it was last
-    confirmed to hold (``held``) and publish the apply conditional on it.  A
-    peer that holds something else answers with its inventory, and is
-    planned from it (the usual second round).  Returns ``(report, the
-    inventory planned from)``.
-    """
-    inv = sync_core.expected_inventory(held)
-    sent = protocol.expected_digests(protocol.expectation(held))
-    got = None
-    if not sync_core.unplannable(categories, primary, inv, sent):
-        got = _sync_one(peer, conf, categories, primary, inv, False, force,
-                        expect=protocol.expectation(held))
-        if got is not None and "master_id" not in got:
-            return got, inv
-    if got is not None:
-        log.info("multimaster: %s does not hold what it was last sent", peer)
-        inv = got
-    if got is None or sync_core.unplannable(categories, primary, got, sent):
-        inv, error = _ask([peer], conf, categories,
-                          sync_core.current_digests(primary, categories), False)[peer]
-        if error:
-            return {"result": False, "error": error}, {}
-    return _sync_one(peer, conf, categories, primary, inv, False, force), inv
-
-
-def _sync_targeted(peer, conf, primary, held, force):
-    """
-    A targeted key sync in one publish: plan ``peer`` as holding ``held``
-    of the ids (:func:`salt_multimaster.sync.targeted_held`) and publish the
-    apply conditional on it (even with nothing to apply: the peer confirms).
-    A peer holding something else answers with its keys of the ids, and is
-    planned from them (the second round); a peer refusing the condition (an
-    older one) is asked for them.  Returns ``(report, the keys of the ids
-    planned from, or None after a refusal)``.
-    """
-    categories = ["minion_keys"]
-    inv = sync_core.targeted_inventory(held)
-    got = _sync_one(peer, conf, categories, primary, inv, False, force,
-                    expect=protocol.targeted_expectation(held["keys"], held["received"]))
-    if got is not None and "master_id" not in got:
-        return got, inv
-    if got is None:
-        got, error = _ask_targeted([peer], primary["minion_keys"]["ids"], conf, False)[peer]
-        if error:
-            return {"result": False, "error": error}, None
-        return _sync_one(peer, conf, categories, primary, got, False, force), None
-    log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
-             ", ".join(primary["minion_keys"]["ids"]))
-    return _sync_one(peer, conf, categories, primary, got, False, force), got
-
-
-def _ask_targeted(peers, ids, conf, test):
-    """Every peer's keys of ``ids``: ``{peer: (reply, error)}``."""
-    request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
-                               minion_ids=ids, test=test)
-    return _Job(peers, "multimaster_peer.inventory", request,
-                conf["timeout"]).replies(_inventory_wait(peers))
+    @staticmethod
+    def jid_dir(jid):
+        return salt.utils.jid.jid_dir(jid, os.path.join(__opts__["cachedir"], "jobs"),
+                                      __opts__["hash_type"])
 
 
 def _sync(peers, only, test, force, minion_ids, **kwargs):
@@ -592,54 +389,7 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     ret = {peer: {"result": False, "error": message} for peer, message in bad.items()}
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
-        _progress(f"multimaster: reading the primary's state for {', '.join(categories)}")
-        held = {} if test or conf["rescan"] or ids else {
-            peer: sync_core.remembered(__opts__, peer, categories) for peer in peers}
-        known = {}
-        if ids:
-            # targeted: the peers' keys of these ids, planned here like a full
-            # sync; known from what a peer was last confirmed to hold, one publish
-            primary = sync_core.read_primary_keys(__opts__, ids)
-            if not test:
-                base = sync_core.snapshot_keys(__opts__, ids)
-                known = {peer: sync_core.targeted_held(__opts__, peer, ids, base)
-                         for peer in peers}
-            slow = [peer for peer in peers if not known.get(peer)]
-            invs = _ask_targeted(slow, ids, conf, test) if slow else {}
-        elif any(held.values()):
-            # what a peer holds is known: read here first, then one publish each
-            primary = _read_primary(conf, categories)
-            slow = [peer for peer in peers if not held[peer]]
-            invs = _ask(slow, conf, categories, sync_core.current_digests(primary, categories),
-                        test) if slow else {}
-        else:
-            primary, invs = _inventories(conf, categories, peers, test)
-
-        def one(peer):
-            inv = {}
-            try:
-                if ids and known.get(peer):
-                    res, inv = _sync_targeted(peer, conf, primary, known[peer], force)
-                elif held.get(peer):
-                    res, inv = _sync_remembered(peer, conf, categories, primary, held[peer],
-                                                force)
-                else:
-                    inv, error = invs[peer]
-                    res = ({"result": False, "error": error} if error else
-                           _sync_one(peer, conf, categories, primary, inv, test, force))
-            except Exception as exc:  # pylint: disable=broad-except
-                log.exception("multimaster: sync of %s failed", peer)
-                res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
-            if not test and not ids:
-                sync_core.remember(__opts__, peer, categories, primary, inv or {}, res)
-            elif not test:
-                sync_core.remember_targeted(__opts__, peer, known.get(peer), primary, res, inv)
-            return res
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(peers))) as pool:
-            for peer, res in zip(peers, pool.map(one, peers)):
-                ret[peer] = sync_core.damaged_verdict(res, primary)
-                _progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
+        ret.update(rounds.Rounds(__opts__, conf, _Salt, test, force).run(peers, categories, ids))
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1
         ret["retcode"] = 1
@@ -762,7 +512,7 @@ def _locked_sync(peers, only, test, force, minion_ids, **kwargs):
                     conf.get("peers") if isinstance(conf, dict) else None):
                 busy.setdefault(peer, {"result": False, "error": busy["error"]})
             return busy
-        sync_core.sweep_grants(__opts__, _jid_dir)
+        sync_core.sweep_grants(__opts__, _Salt.jid_dir)
         return _sync(peers, only, test, force, minion_ids, **kwargs)
 
 
@@ -932,7 +682,8 @@ def _status(peers, **kwargs):
         ret["retcode"] = 1
         return ret
     all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
-    primary, invs = _inventories(conf, all_cats, peers, test=True)
+    primary, invs = rounds.Rounds(__opts__, conf, _Salt, test=True).inventories(
+        all_cats, peers)
     pub = primary["master_keys"]["files"]["pub"]
     primary_finger = finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
     for peer in peers:

@@ -24,6 +24,7 @@ KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "m
 KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
+KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
 
@@ -545,7 +546,7 @@ class KeysSnapshot:
         self.pki_dir = pki_dir
         self.state_dir = state_dir
         self.meta_path = os.path.join(state_dir, KEYS_SNAPSHOT)
-        self.manifest_path = os.path.join(state_dir, "keys-snapshot-manifest.json")
+        self.manifest_path = os.path.join(state_dir, KEYS_SNAPSHOT_MANIFEST)
         self.hashed = 0
         self._manifest = None
         self._parts = None

@@ -42,8 +42,6 @@ MAX_TARGETED_IDS = 200
 # Past this many ids set by targeted syncs since a peer's last full sync,
 # its minion_keys are forgotten (a full sync remembers them afresh).
 MAX_HELD_IDS = 2000
-# The keys manifest of the primary's saved snapshot (manifest.KeysSnapshot).
-KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
 
 
 # ---------------------------------------------------------------------------
@@ -678,7 +676,7 @@ def snapshot_keys(opts, ids):
     primary's saved key snapshot (read, no key dir listed); None without one.
     """
     buckets = {manifest.bucket_of(mid) for mid in ids}
-    path = os.path.join(layout.state_dir(opts), KEYS_SNAPSHOT_MANIFEST)
+    path = os.path.join(layout.state_dir(opts), manifest.KEYS_SNAPSHOT_MANIFEST)
     try:
         with open(path, encoding="utf-8") as fh:
             entries = json.load(fh)["entries"]

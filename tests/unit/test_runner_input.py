@@ -7,9 +7,11 @@ is read or sent: a named error and a ``retcode`` in the return (what makes
 import importlib.util
 
 import pytest
+import salt.client
 
 from salt_multimaster import sync
 from tests.conftest import REPO
+from tests.support.cluster import gen_keypair
 
 
 def _load():
@@ -20,11 +22,12 @@ def _load():
 
 
 @pytest.fixture
-def runner(tmp_path):
+def runner(tmp_path, monkeypatch):
     mod = _load()
     (tmp_path / "pki" / "minions").mkdir(parents=True)
-    for mid in ("m2", "m3", "web01"):
-        (tmp_path / "pki" / "minions" / mid).write_text("key")
+    (tmp_path / "pki" / "minions" / "web01").write_text("key")
+    for mid in ("m2", "m3"):  # the peers' minion keys: requests are sealed to them
+        (tmp_path / "pki" / "minions" / mid).write_bytes(gen_keypair(1024)[1])
     mod.__opts__ = {"id": "m1", "pki_dir": str(tmp_path / "pki"), "cachedir": str(tmp_path / "c"),
                     "multimaster": {"peers": ["m2", "m3"]}}
     mod.__context__ = {}
@@ -32,7 +35,8 @@ def runner(tmp_path):
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"published with bad input: {args} {kwargs}")
 
-    mod._Job = nothing_sent
+    # Salt's client, the one way anything reaches a peer
+    monkeypatch.setattr(salt.client, "LocalClient", nothing_sent)
     return mod
 
 
@@ -104,8 +108,6 @@ def test_status_refuses(runner):
 
 def test_salt_pub_kwargs_pass(runner, tmp_path):
     """Salt's __pub_* keys are not unknown arguments: the sync goes on (and publishes)."""
-    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
-
     # a real key: a damaged one is never published
     (tmp_path / "pki" / "minions" / "web01").write_bytes(gen_keypair(1024)[1])
     with pytest.raises(AssertionError, match="published with bad input"):

@@ -115,7 +115,7 @@ def _snapshot_of(tmp_path, man):
     state = tmp_path / "cache" / "multimaster"
     state.mkdir(parents=True)
     entries = {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in man.items()}
-    (state / sync.KEYS_SNAPSHOT_MANIFEST).write_text(json.dumps({"entries": entries}))
+    (state / manifest.KEYS_SNAPSHOT_MANIFEST).write_text(json.dumps({"entries": entries}))
     return opts
 
 
@@ -156,7 +156,7 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
         {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
     # the snapshot does not hold what the peer was confirmed to hold there
     assert _held(opts, "p", ["web1"]) is None
-    os.unlink(tmp_path / "cache" / "multimaster" / sync.KEYS_SNAPSHOT_MANIFEST)
+    os.unlink(tmp_path / "cache" / "multimaster" / manifest.KEYS_SNAPSHOT_MANIFEST)
     assert _held(opts, "p", ["web1"]) is None
     # a sync that left conflicts forgets; so does one where the peer held otherwise
     opts2 = _snapshot_of(tmp_path / "2", before)

@@ -1,0 +1,324 @@
+"""
+The rounds of one sync between the primary and its peers: which publishes
+go out, in which order, and what is planned from what came back.
+
+A full sync asks every peer for its inventory, plans on the primary, then
+applies (two publishes).  When the primary knows what a peer holds (what it
+last confirmed, :func:`salt_multimaster.sync.remembered`), a change sync is
+one publish: the apply goes out with the digests the peer is expected to
+hold, and a peer that holds something else answers with its inventory (the
+second round).  A targeted key sync (``minion_ids``) does the same with the
+keys of those ids.
+
+Everything Salt does is passed in (``salt``, see :class:`Rounds`): the
+runner publishes through ``LocalClient`` and fires progress events; the
+unit tests run the real peer over temp dirs.
+"""
+
+import concurrent.futures
+import logging
+
+from salt_multimaster import protocol
+from salt_multimaster import sync as core
+
+log = logging.getLogger(__name__)
+
+#: peers synced at once
+MAX_PARALLEL = 8
+
+
+class Rounds:
+    """
+    One sync (or status) of ``conf`` (the runner's resolved
+    ``multimaster`` settings) from the primary whose options are ``opts``.
+
+    ``salt`` gives what only Salt does:
+
+    - ``publish(peers, fun, request, timeout)``: a job whose
+      ``wait(on_wait)`` is ``{peer: return}`` of the peers that returned and
+      ``replies(on_wait)`` ``{peer: (reply, error)}``
+      (:func:`protocol.check_reply`) of every peer; ``on_wait(seconds)`` is
+      called now and then while they work; the request is sealed to each
+      peer on the way;
+    - ``progress(message, **data)``: one progress line;
+    - ``jid_dir(jid)``: a job's directory in the job cache.
+    """
+
+    def __init__(self, opts, conf, salt, test=False, force=False):
+        self.opts = opts
+        self.conf = conf
+        self.salt = salt
+        self.test = test
+        self.force = force
+
+    # ----- asking the peers ------------------------------------------------
+    def read_primary(self, categories, saved=None):
+        conf = self.conf
+        return core.read_primary(self.opts, categories, conf["topology"],
+                                 conf["master_config_keys"], conf["rescan"], saved)
+
+    def _inventory_request(self, categories, digests):
+        conf = self.conf
+        return protocol.request(
+            "multimaster_peer.inventory", categories=categories, digests=digests,
+            topology=conf["topology"], config_keys=conf["master_config_keys"], test=self.test,
+            rescan=conf["rescan"] or None)
+
+    def _inventory_wait(self, peers):
+        """The ``on_wait`` of an inventory job: one progress line now and then."""
+        names = ", ".join(peers)
+        self.salt.progress(f"multimaster: asking {names} for an inventory", phase="inventory")
+        return lambda seconds: self.salt.progress(
+            f"multimaster: waiting for the inventory of {names}, {seconds:.0f} s",
+            phase="inventory")
+
+    def ask(self, peers, categories, digests):
+        """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
+        return self.salt.publish(peers, "multimaster_peer.inventory",
+                                 self._inventory_request(categories, digests),
+                                 self.conf["timeout"]).replies(self._inventory_wait(peers))
+
+    def ask_targeted(self, peers, ids):
+        """Every peer's keys of ``ids``: ``{peer: (reply, error)}``."""
+        request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
+                                   minion_ids=ids, test=self.test)
+        return self.salt.publish(peers, "multimaster_peer.inventory", request,
+                                 self.conf["timeout"]).replies(self._inventory_wait(peers))
+
+    def inventories(self, categories, peers):
+        """
+        The primary's state and every peer's inventory ``{peer: (reply,
+        error)}``.  The inventory publish carries the digests of the
+        primary's last read and goes out first; the primary reads its state
+        while the peers answer.  A peer in step answers with digests only;
+        for a bucket the primary changed since, the peer's content is the
+        primary's previous one (:func:`salt_multimaster.sync.plan`).  A peer
+        that cannot be planned so (no previous state) is asked again with
+        the current digests.
+        """
+        digests, saved = core.saved_state(self.opts, categories)
+        if set(digests) != set(categories) & set(core.BUCKETED):
+            # nothing saved yet (first sync): a peer in step would detail everything
+            primary = self.read_primary(categories, saved)
+            return primary, self.ask(peers, categories,
+                                     core.current_digests(primary, categories))
+        job = self.salt.publish(peers, "multimaster_peer.inventory",
+                                self._inventory_request(categories, digests),
+                                self.conf["timeout"])
+        try:
+            primary = self.read_primary(categories, saved)
+        finally:
+            invs = job.replies(self._inventory_wait(peers))
+        again = [peer for peer in peers
+                 if core.unplannable(categories, primary, invs[peer][0], digests)]
+        if again:
+            log.info("multimaster: asking %s again with the current digests", ", ".join(again))
+            invs.update(self.ask(again, categories, core.current_digests(primary, categories)))
+        return primary, invs
+
+    # ----- applying ----------------------------------------------------------
+    def apply(self, peer, ops, primary, how, keys_digest=None, expect=None):
+        """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
+        conf, opts = self.conf, self.opts
+        chunks = core.attach_contents(opts, peer, ops, primary, how) if ops else None
+        kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
+                                 backup_keep=conf["backup_keep"], keys_digest=keys_digest,
+                                 expect=expect,
+                                 config_keys=conf["master_config_keys"] if expect else None)
+        token = None
+        if chunks is not None:
+            # the operations travel with the first chunk, pulled point-to-point
+            token = core.grant(opts, peer, ops, chunks)
+            kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
+        # a large apply (an initial sync) takes longer than an inventory:
+        # allow for 10 operations a second on top of the timeout
+        total = sum(len(o) for o in ops.values())
+        wait = conf["timeout"] + total // 10
+        if total:
+            self.salt.progress(f"multimaster: {peer}: applying {total} change(s)"
+                               + (f" ({len(chunks)} pull chunk(s))" if chunks else ""),
+                               peer=peer, phase="apply", done=0, total=total)
+
+        def still(seconds):
+            if chunks:
+                served, done = core.pulled(opts, token, chunks)
+                self.salt.progress(f"multimaster: {peer}: applying, {done}/{total} pulled "
+                                   f"({served}/{len(chunks)} chunks), {seconds:.0f} s",
+                                   peer=peer, phase="apply", done=done, total=total)
+            else:
+                self.salt.progress(f"multimaster: {peer}: applying {total} change(s), "
+                                   f"{seconds:.0f} s", peer=peer, phase="apply", total=total)
+
+        try:
+            got = self.salt.publish([peer], "multimaster_peer.apply", kwarg,
+                                    wait).wait(still).get(peer)
+        finally:
+            if token:
+                core.revoke(opts, token, self.salt.jid_dir)
+        if expect is not None and protocol.refused(got):
+            # nothing applied (a peer older than this expectation refuses it)
+            log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
+            return {"refused": got["error"]}, None
+        return protocol.check_reply(peer, "multimaster_peer.apply", got)
+
+    def sync_one(self, peer, categories, primary, inv, expect=None):
+        """
+        Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
+        ``expect`` (``inv`` is then what the primary last confirmed it held),
+        the apply is conditional: ``None`` when there is nothing to apply (a
+        targeted key sync publishes it all the same: the peer confirms) or
+        the peer refused the condition, or the peer's own inventory when it
+        does not hold what was expected.
+        """
+        conf, test = self.conf, self.test
+        ops, plan_report = core.plan(conf["topology"], categories, primary, inv, self.force)
+        ops = {c: o for c, o in ops.items() if o}
+        targeted = "ids" in (primary.get("minion_keys") or {})
+        if expect is not None and not ops and not targeted:
+            return None
+        ret = {"result": True}
+        ret.update(plan_report)
+        how = core.transport(self.opts, peer, ops, conf["inline_limit"],
+                             conf["pull_min_files"]) if ops else None
+        if how and how["error"]:
+            ret["result"] = False
+            ret["error"] = how["error"]
+            if not test:
+                core.unconfirmed(ret, categories)
+            return ret
+        keys = inv.get("minion_keys") or {}
+        keys_digest = (primary["minion_keys"].get("digest")
+                       if "minion_keys" in categories else None)
+        if not test and (ops or expect is not None
+                         or (keys_digest and keys.get("history_recorded") is False)):
+            applied, error = self.apply(peer, ops, primary, how, keys_digest, expect)
+            if error:
+                ret["result"] = False
+                ret["error"] = error
+                core.unconfirmed(ret, categories)
+                return ret
+            if "refused" in applied:
+                return None
+            if "inventory" in applied:
+                return applied["inventory"]
+            core.merge(plan_report, applied)
+            for key in ("restart", "backup"):
+                if applied.get(key):
+                    ret[key] = applied[key]
+            if expect is not None:
+                # the peer's master as the peer found it before applying
+                inv = dict(inv, **{k: applied.get(k) for k in
+                                   ("master_running", "master_address", "restart_pending")})
+        return core.finish(peer, ret, inv, categories)
+
+    def sync_remembered(self, peer, categories, primary, held):
+        """
+        A change sync in one publish: plan ``peer`` as holding what it was
+        last confirmed to hold (``held``) and publish the apply conditional
+        on it.  A peer that holds something else answers with its
+        inventory, and is planned from it (the usual second round).  Returns
+        ``(report, the inventory planned from)``.
+        """
+        inv = core.expected_inventory(held)
+        sent = protocol.expected_digests(protocol.expectation(held))
+        got = None
+        if not core.unplannable(categories, primary, inv, sent):
+            got = self.sync_one(peer, categories, primary, inv,
+                                expect=protocol.expectation(held))
+            if got is not None and "master_id" not in got:
+                return got, inv
+        if got is not None:
+            log.info("multimaster: %s does not hold what it was last sent", peer)
+            inv = got
+        if got is None or core.unplannable(categories, primary, got, sent):
+            inv, error = self.ask([peer], categories,
+                                  core.current_digests(primary, categories))[peer]
+            if error:
+                return {"result": False, "error": error}, {}
+        return self.sync_one(peer, categories, primary, inv), inv
+
+    def sync_targeted(self, peer, primary, held):
+        """
+        A targeted key sync in one publish: plan ``peer`` as holding
+        ``held`` of the ids (:func:`salt_multimaster.sync.targeted_held`)
+        and publish the apply conditional on it (even with nothing to apply:
+        the peer confirms).  A peer holding something else answers with its
+        keys of the ids, and is planned from them (the second round); a peer
+        refusing the condition (an older one) is asked for them.  Returns
+        ``(report, the keys of the ids planned from, or None after a
+        refusal)``.
+        """
+        categories = ["minion_keys"]
+        inv = core.targeted_inventory(held)
+        got = self.sync_one(peer, categories, primary, inv,
+                            expect=protocol.targeted_expectation(held["keys"], held["received"]))
+        if got is not None and "master_id" not in got:
+            return got, inv
+        ids = primary["minion_keys"]["ids"]
+        if got is None:
+            got, error = self.ask_targeted([peer], ids)[peer]
+            if error:
+                return {"result": False, "error": error}, None
+            return self.sync_one(peer, categories, primary, got), None
+        log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
+                 ", ".join(ids))
+        return self.sync_one(peer, categories, primary, got), got
+
+    # ----- a whole sync --------------------------------------------------------
+    def run(self, peers, categories, ids=None):
+        """
+        Sync ``peers`` (all valid, reachable as far as the primary knows):
+        ``{peer: report}``, each peer in parallel.  ``ids``: a targeted key
+        sync of these minion ids.
+        """
+        opts, test = self.opts, self.test
+        self.salt.progress(f"multimaster: reading the primary's state for "
+                           f"{', '.join(categories)}")
+        held = {} if test or self.conf["rescan"] or ids else {
+            peer: core.remembered(opts, peer, categories) for peer in peers}
+        known = {}
+        if ids:
+            # targeted: the peers' keys of these ids, planned here like a full
+            # sync; known from what a peer was last confirmed to hold, one publish
+            primary = core.read_primary_keys(opts, ids)
+            if not test:
+                base = core.snapshot_keys(opts, ids)
+                known = {peer: core.targeted_held(opts, peer, ids, base) for peer in peers}
+            slow = [peer for peer in peers if not known.get(peer)]
+            invs = self.ask_targeted(slow, ids) if slow else {}
+        elif any(held.values()):
+            # what a peer holds is known: read here first, then one publish each
+            primary = self.read_primary(categories)
+            slow = [peer for peer in peers if not held[peer]]
+            invs = self.ask(slow, categories,
+                            core.current_digests(primary, categories)) if slow else {}
+        else:
+            primary, invs = self.inventories(categories, peers)
+
+        def one(peer):
+            inv = {}
+            try:
+                if ids and known.get(peer):
+                    res, inv = self.sync_targeted(peer, primary, known[peer])
+                elif held.get(peer):
+                    res, inv = self.sync_remembered(peer, categories, primary, held[peer])
+                else:
+                    inv, error = invs[peer]
+                    res = ({"result": False, "error": error} if error else
+                           self.sync_one(peer, categories, primary, inv))
+            except Exception as exc:  # pylint: disable=broad-except
+                log.exception("multimaster: sync of %s failed", peer)
+                res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
+            if not test and not ids:
+                core.remember(opts, peer, categories, primary, inv or {}, res)
+            elif not test:
+                core.remember_targeted(opts, peer, known.get(peer), primary, res, inv)
+            return res
+
+        ret = {}
+        with concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(MAX_PARALLEL, len(peers))) as pool:
+            for peer, res in zip(peers, pool.map(one, peers)):
+                ret[peer] = core.damaged_verdict(res, primary)
+                self.salt.progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
+        return ret

@@ -1,0 +1,162 @@
+"""
+The rounds of a sync (``salt_multimaster.rounds``) with Salt stood in for by
+the real peer over temp dirs: which publishes go out, and that the peer ends
+a replica.  The same runs on real daemons in tests/integration/test_sync.py.
+"""
+
+import socket
+
+import pytest
+
+from salt_multimaster import manifest, peer, protocol, rounds, seal, sync
+from tests.support.cluster import gen_keypair
+from tests.unit import test_contract as contract
+from tests.unit.test_contract import CATS, CONFIG_KEYS, _assert_replica, _read_dropin
+
+pair = contract.pair  # the primary and peer over temp dirs (fixture)
+
+PEER = "m2"
+
+
+class FakeSalt:
+    """
+    Publishes run the peer module's logic at once on ``mopts`` (what
+    ``multimaster_peer`` does around ``salt_multimaster.peer``), contents
+    unsealed with the peer minion's key; the primary's fileserver is its
+    file_roots read directly.
+    """
+
+    def __init__(self, primary_opts, mopts, minion_priv, state_dir):
+        self.primary_opts, self.mopts = primary_opts, mopts
+        self.minion_priv, self.state_dir = minion_priv, state_dir
+        self.published = []
+        self.lines = []
+
+    def publish(self, peers, fun, request, timeout):
+        assert peers == [PEER] and timeout > 0
+        self.published.append(fun.split(".")[1])
+        return _Job(self, fun, protocol.reply(self._run(fun, request)))
+
+    def _run(self, fun, request):
+        _read_dropin(self.mopts)
+        if fun == "multimaster_peer.inventory":
+            if "minion_ids" in request:
+                return peer.targeted_inventory(self.mopts, self.state_dir, request["minion_ids"])
+            return peer.inventory(self.mopts, self.state_dir, request["categories"],
+                                  request.get("digests") or {}, request["topology"],
+                                  request.get("config_keys"), rescan=bool(request.get("rescan")))
+        assert fun == "multimaster_peer.apply" and "pull_token" not in request
+        return peer.apply(self.mopts, self.state_dir, request["ops"], request["topology"],
+                          request["backup_keep"], self.unseal, self.fetch,
+                          lambda *args: "restarting", keys_digest=request.get("keys_digest"),
+                          expect=request.get("expect"), config_keys=request.get("config_keys"))
+
+    def unseal(self, blob, purpose):
+        return seal.unseal(self.minion_priv, blob, PEER, purpose)
+
+    def fetch(self, file_ops):
+        return {id(op): manifest.locate(self.primary_opts["file_roots"][op["env"]], op["rel"])
+                for op in file_ops}
+
+    def progress(self, message, **data):
+        self.lines.append(message)
+
+    @staticmethod
+    def jid_dir(jid):
+        raise AssertionError("no pull in these syncs")
+
+
+class _Job:
+    def __init__(self, salt, fun, ret):
+        self.fun, self.ret = fun, ret
+
+    def wait(self, on_wait=None):
+        return {PEER: self.ret}
+
+    def replies(self, on_wait=None):
+        return {PEER: protocol.check_reply(PEER, self.fun, self.ret)}
+
+
+def _conf():
+    return {"peers": [PEER], "topology": "shared", "replicate": list(CATS),
+            "master_config_keys": CONFIG_KEYS, "timeout": 30, "rescan": False,
+            "inline_limit": sync.INLINE_LIMIT, "pull_min_files": sync.PULL_MIN_FILES,
+            "backup_keep": sync.BACKUP_KEEP}
+
+
+@pytest.fixture
+def fake(pair):
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    pki = tmp_path / "m1" / "pki"
+    for mid in ("web1", "web2"):
+        (pki / "minions" / mid).write_bytes(gen_keypair(1024)[1])
+    (tmp_path / "m1" / "srv" / "top.sls").write_text("base: {'*': [web]}\n")
+    (tmp_path / "m1" / "pillar" / "secret.sls").write_text("password: hunter2\n")
+    with socket.socket() as master:  # the peer's salt-master answers
+        master.bind(("127.0.0.1", mopts["ret_port"]))
+        master.listen()
+        yield FakeSalt(primary_opts, mopts, minion_priv, str(tmp_path / "m2-minion-state"))
+
+
+def _sync(fake, categories=CATS, ids=None, test=False):
+    fake.published.clear()
+    ret = rounds.Rounds(fake.primary_opts, _conf(), fake, test=test).run(
+        [PEER], list(categories), ids)
+    return ret[PEER], list(fake.published)
+
+
+def test_a_first_sync_asks_then_applies_and_a_change_sync_is_one_publish(fake):
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    res, published = _sync(fake, test=True)
+    assert published == ["inventory"] and res["result"] is True, res.get("error")
+    assert sorted(res["minion_keys"]["added"]) == ["minions/m2", "minions/web1", "minions/web2"]
+
+    res, published = _sync(fake)
+    assert published == ["inventory", "apply"] and res["result"] is True, res
+    _assert_replica(fake.primary_opts, fake.mopts)
+    assert fake.lines[0].startswith("multimaster: reading the primary's state")
+    assert fake.lines[-1] == f"multimaster: {PEER}: ok"
+
+    # a new key and a changed file: one conditional apply
+    with open(f"{tmp_path}/m1/pki/minions/web3", "wb") as fh:
+        fh.write(gen_keypair(1024)[1])
+    with open(f"{tmp_path}/m1/srv/top.sls", "w", encoding="utf-8") as fh:
+        fh.write("base: {'*': [web, db]}\n")
+    res, published = _sync(fake)
+    assert published == ["apply"], res
+    assert res["minion_keys"]["added"] == ["minions/web3"]
+    assert res["file_roots"]["updated"] == ["base:top.sls"]
+    _assert_replica(fake.primary_opts, fake.mopts)
+
+    # nothing changed: one inventory checks it
+    res, published = _sync(fake)
+    assert published == ["inventory"] and res["result"] is True, res.get("error")
+    assert not any(res[c][k] for c in ("minion_keys", "file_roots")
+                   for k in ("added", "updated", "removed"))
+
+
+def test_a_peer_changed_behind_the_primarys_back_converges_in_a_second_round(fake):
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    _sync(fake)
+    # someone edits the peer's file_roots; then the primary changes a pillar
+    with open(f"{tmp_path}/m2/srv/top.sls", "w", encoding="utf-8") as fh:
+        fh.write("edited on the peer\n")
+    with open(f"{tmp_path}/m1/pillar/secret.sls", "w", encoding="utf-8") as fh:
+        fh.write("password: changed\n")
+    res, published = _sync(fake)
+    # the conditional apply is refused with the peer's inventory, then planned from it
+    assert published == ["apply", "apply"], res
+    assert res["file_roots"]["updated"] == ["base:top.sls"]
+    assert res["pillar_roots"]["updated"] == ["base:secret.sls"]
+    _assert_replica(fake.primary_opts, fake.mopts)
+
+
+def test_a_targeted_key_sync_after_a_full_sync_is_one_publish(fake):
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    _sync(fake)
+    with open(f"{tmp_path}/m1/pki/minions_pre/new1", "wb") as fh:
+        fh.write(gen_keypair(1024)[1])
+    res, published = _sync(fake, ["minion_keys"], ids=["new1"])
+    assert published == ["apply"], res
+    assert res["minion_keys"]["added"] == ["minions_pre/new1"]
+    _assert_replica(fake.primary_opts, fake.mopts)
