@@ -354,6 +354,13 @@ def test_a_change_sync_is_one_publish_per_peer(cluster):
     (root / "one.sls").unlink()
     ret = cluster.salt_run(cluster.primary, "multimaster.sync")
     assert ret.returncode == 0, ret
+    # nothing changed since: one inventory per peer checks it, and no apply
+    # (the peers' key dirs changed a moment ago, their history record holds)
+    before = _peer_jobs(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    assert ret.returncode == 0, ret
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 2, "multimaster_peer.apply": 0}, new
 
 
 def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
