@@ -522,6 +522,22 @@ def _read_json(path):
         return None
 
 
+def saved_key_entries(state_dir):
+    """
+    ``{state: {id: [ino, size, mtime_ns, sha256]}}`` of the key snapshot
+    saved in ``state_dir`` (:class:`KeysSnapshot`); None when there is none
+    or it is malformed.
+    """
+    data = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT_MANIFEST))
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, dict) or not all(
+            isinstance(keys, dict)
+            and all(isinstance(e, list) and len(e) == 4 for e in keys.values())
+            for keys in entries.values()):
+        return None
+    return entries
+
+
 class KeysSnapshot:
     """
     The minion keys manifest of a pki_dir with its buckets' digests, saved in
@@ -583,14 +599,7 @@ class KeysSnapshot:
         }
 
     def _load_entries(self):
-        data = _read_json(self.manifest_path)
-        entries = data.get("entries") if isinstance(data, dict) else None
-        if not isinstance(entries, dict) or not all(
-                isinstance(keys, dict)
-                and all(isinstance(e, list) and len(e) == 4 for e in keys.values())
-                for keys in entries.values()):
-            return None
-        return entries
+        return saved_key_entries(self.state_dir)
 
     @staticmethod
     def saved_digest(pki_dir, state_dir):
