@@ -25,6 +25,8 @@ KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
+# touched before each listing of the keys: the filesystem's own clock
+KEYS_CLOCK = "keys-snapshot.clock"
 _ID_BAD = re.compile(r"[\x00/\\]")
 
 
@@ -221,7 +223,7 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
     The first root holding a path wins, as in Salt's roots fileserver.
     Symlinks are followed only while their target stays inside the root;
     others are reported in ``errors`` and left out.  One ``stat`` per file
-    and one ``realpath`` per directory: unchanged files are never read.
+    and a ``realpath`` only of a symlink: unchanged files are never read.
     """
     ret = {}
     errors = errors if errors is not None else []
@@ -230,10 +232,13 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
             continue
         real_root = os.path.realpath(root)
         inside = real_root.rstrip(os.sep) + os.sep
-        stack = [("", root, frozenset())]
+        # (rel, path, the real paths above it, its real path when known:
+        # a directory that is no symlink in a resolved one)
+        stack = [("", root, frozenset(), real_root)]
         while stack:
-            rel_dir, dirpath, ancestors = stack.pop()
-            real_dir = os.path.realpath(dirpath)
+            rel_dir, dirpath, ancestors, real_dir = stack.pop()
+            if real_dir is None:
+                real_dir = os.path.realpath(dirpath)
             if real_dir != real_root and not real_dir.startswith(inside):
                 errors.append(f"{root}: {rel_dir}: symlinked directory leads outside the root, not replicated")
                 continue
@@ -259,7 +264,8 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
                     is_dir = False
                 if is_dir:
                     if not (ignore(rel + "/", full + "/") or ignore(rel, full)):
-                        subdirs.append((rel, full, ancestors))
+                        subdirs.append((rel, full, ancestors, None if entry.is_symlink()
+                                        else os.path.join(real_dir, name)))
                     continue
                 if rel in ret or ignore(rel, full):
                     continue
@@ -502,8 +508,46 @@ def keys_state(pki_dir, ids, errors=None):
 
 # A key dir changed less than this long before it was listed is listed again
 # next time: two changes within one tick of the filesystem's clock can leave
-# its mtime as it was.
+# its mtime as it was.  Used when the filesystem's own clock is not known
+# (the state dir on another filesystem than the key dir, see _fs_clock).
 RACY_NS = 2 * 10**9
+
+
+#: how long a listing waits at most for the filesystem's clock to pass the
+#: last change of the key dirs it lists (one tick: a few ms; a filesystem
+#: with coarser timestamps is listed again next time instead)
+FS_CLOCK_WAIT = 0.02
+
+
+def _fs_clock(state_dir, stamps=()):
+    """
+    ``[st_dev, mtime_ns]`` of :data:`KEYS_CLOCK` in ``state_dir``, touched
+    now: the time of the filesystem's own clock (its tick, not the wall
+    clock) before a listing.  A key dir on the same filesystem whose mtime is
+    older than that was last changed before the listing, and any later change
+    gives it a later mtime; one whose mtime is not older may change again
+    within the same tick unseen (racy, as in git's index).  So while a dir of
+    ``stamps`` (:func:`_dir_stamp`, the dirs about to be listed) changed in
+    the current tick, wait for the next one, up to :data:`FS_CLOCK_WAIT`.
+    None when the file cannot be touched.
+    """
+    path = os.path.join(state_dir, KEYS_CLOCK)
+    deadline = time.monotonic() + FS_CLOCK_WAIT
+    while True:
+        try:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                fsutil.makedirs(state_dir, mode=0o700)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
+            st = os.stat(path)
+        except OSError:
+            return None
+        clock = [st.st_dev, st.st_mtime_ns]
+        if not any(s and s[0] == clock[0] and s[2] >= clock[1] for s in stamps) or (
+                time.monotonic() > deadline):
+            return clock
+        time.sleep(0.0005)
 
 
 def _dir_stamp(path):
@@ -590,13 +634,24 @@ class KeysSnapshot:
         return {state: _dir_stamp(os.path.join(self.pki_dir, state)) for state in KEY_STATES}
 
     def _unchanged(self, stamps):
-        """The key dirs as they were when the snapshot was taken, long enough after their last change."""
+        """
+        The key dirs as they were when the snapshot was taken, last changed
+        before it was taken: by the filesystem's clock (:func:`_fs_clock`)
+        when it is known for that dir, else :data:`RACY_NS` before by the
+        wall clock.
+        """
         dirs, taken = self.meta.get("dirs") or {}, self.meta.get("taken_ns", 0)
-        return {
-            state for state, stamp in stamps.items()
-            if state in dirs and dirs[state] == stamp
-            and (stamp is None or stamp[2] + RACY_NS < taken)
-        }
+        clock = self.meta.get("clock")
+
+        def settled(stamp):
+            if stamp is None:
+                return True
+            if isinstance(clock, list) and len(clock) == 2 and clock[0] == stamp[0]:
+                return stamp[2] < clock[1]
+            return stamp[2] + RACY_NS < taken
+
+        return {state for state, stamp in stamps.items()
+                if state in dirs and dirs[state] == stamp and settled(stamp)}
 
     def _load_entries(self):
         return saved_key_entries(self.state_dir)
@@ -620,6 +675,8 @@ class KeysSnapshot:
         return self._previous
 
     def _scan(self, stamps, unchanged=()):
+        clock = _fs_clock(self.state_dir, [stamp for state, stamp in stamps.items()
+                                           if state not in unchanged])
         taken = time.time_ns()
         previous = (self._load_entries() or {}) if self.meta else {}
         if previous and self.meta.get("digest"):
@@ -655,7 +712,7 @@ class KeysSnapshot:
         kept = {k: v for k, v in self.meta.items() if k not in _SCAN_FIELDS} if (
             self.meta.get("digest") == self.digest) else {}
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
-                                  "digest": self.digest, "counts": self.counts,
+                                  "clock": clock, "digest": self.digest, "counts": self.counts,
                                   "errors": errors, "damaged": damaged})
         fsutil.makedirs(self.state_dir, mode=0o700)
         fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600)
@@ -696,7 +753,8 @@ class KeysSnapshot:
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
 
 
-_SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "digest", "counts", "errors", "damaged")
+_SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
+                "damaged")
 
 
 class _Lazy:

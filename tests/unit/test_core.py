@@ -169,13 +169,66 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     assert moved.hashed == 2  # web2, and junk again (never kept); web1 only statted
     assert moved.errors == errors
     assert moved.digest != first.digest
-    # listed within 2 s of that change: not trusted next time (same mtime tick)
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
+    # listed a moment after that change, once the filesystem's clock had
+    # passed it: trusted next time
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
     _age(pki)
     assert not manifest.KeysSnapshot(str(pki), str(state)).reused  # the dirs' stamps moved
     assert manifest.KeysSnapshot(str(pki), str(state)).reused
     rescanned = manifest.KeysSnapshot(str(pki), str(state), rescan=True)
     assert not rescanned.reused and rescanned.hashed == 1  # every key statted, only junk read
+
+
+def _future(path, seconds):
+    """Give ``path`` an mtime ``seconds`` ahead of the filesystem's clock."""
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_a_key_dir_changed_in_the_listing_s_clock_tick_is_listed_again(tmp_path):
+    """
+    Two changes of a key dir within one tick of the filesystem's clock can
+    leave its mtime as it was (racy, as in git): a dir is trusted only when
+    its mtime is older than the filesystem's clock at the listing.  The
+    listing waits up to FS_CLOCK_WAIT for the clock to pass a dir changed in
+    the current tick; past that (a filesystem with coarse timestamps; here a
+    dir whose mtime is ahead of the clock) it is listed again next time.
+    """
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    (pki / "minions").mkdir(parents=True)
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    _future(pki / "minions", 5)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    assert not first.reused
+    assert first.meta["clock"][1] <= first.meta["dirs"]["minions"][2]  # the wait gave up
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
+    # the same dir once the clock is past it
+    _age(pki, 10)
+    manifest.KeysSnapshot(str(pki), str(state))
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
+
+
+def test_without_the_filesystem_s_clock_a_key_dir_settles_for_two_seconds(tmp_path, monkeypatch):
+    """
+    When the state dir's filesystem clock is unknown (it cannot be touched,
+    or the state dir is on another filesystem than the keys), a key dir
+    changed less than RACY_NS before the listing by the wall clock is listed
+    again next time.
+    """
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    (pki / "minions").mkdir(parents=True)
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    monkeypatch.setattr(manifest, "_fs_clock", lambda state_dir, stamps=(): None)
+    manifest.KeysSnapshot(str(pki), str(state))
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
+    _age(pki, 10)
+    manifest.KeysSnapshot(str(pki), str(state))
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
+    # a clock of another filesystem (st_dev) is not used either
+    monkeypatch.setattr(manifest, "_fs_clock", lambda state_dir, stamps=(): [-1, 2**62])
+    os.utime(pki / "minions")
+    manifest.KeysSnapshot(str(pki), str(state))
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
 
 
 def test_what_was_remembered_of_the_keys_holds_while_they_are_the_same(tmp_path):
@@ -192,7 +245,8 @@ def test_what_was_remembered_of_the_keys_holds_while_they_are_the_same(tmp_path)
     (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
     snap = manifest.KeysSnapshot(str(pki), str(state))
     snap.remember(history=[1, 2, 3])
-    again = manifest.KeysSnapshot(str(pki), str(state))  # within 2 s: listed again
+    os.utime(pki / "minions")  # changed, the same keys: listed again
+    again = manifest.KeysSnapshot(str(pki), str(state))
     assert not again.reused and again.meta["history"] == [1, 2, 3]
     (pki / "minions" / "web2").write_bytes(gen_keypair(1024)[1])
     changed = manifest.KeysSnapshot(str(pki), str(state))
