@@ -245,15 +245,23 @@ def _progress(message, **data):
     it prints as one line (the ``multimaster_progress`` outputter).
     """
     data["message"] = message
-    try:
-        with salt.utils.event.get_master_event(
-            __opts__, __opts__["sock_dir"], listen=False
-        ) as event:
-            event.fire_event(data, "salt/multimaster/sync/progress")
-    except Exception as exc:  # pylint: disable=broad-except
-        log.debug("multimaster: progress event not fired: %s", exc)
-    if _cli_progress():
-        with _CLI_PROGRESS["lock"]:
+    with _CLI_PROGRESS["lock"]:
+        try:
+            # the connection of this runner job's own events, when it has one
+            bus = __jid_event__.event  # pylint: disable=undefined-variable
+        except (NameError, AttributeError, ReferenceError):
+            bus = None
+        try:
+            if bus is not None:
+                bus.fire_event(data, "salt/multimaster/sync/progress")
+            else:
+                with salt.utils.event.get_master_event(
+                    __opts__, __opts__["sock_dir"], listen=False
+                ) as event:
+                    event.fire_event(data, "salt/multimaster/sync/progress")
+        except Exception as exc:  # pylint: disable=broad-except
+            log.debug("multimaster: progress event not fired: %s", exc)
+        if _cli_progress():
             try:
                 __jid_event__.fire_event(  # pylint: disable=undefined-variable
                     {"message": message, "outputter": "multimaster_progress"}, "progress")
