@@ -689,9 +689,8 @@ def _status(peers, **kwargs):
     if not peers:
         ret["retcode"] = 1
         return ret
-    all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
     primary, invs = rounds.Rounds(__opts__, conf, _Salt, test=True).inventories(
-        all_cats, peers)
+        sync_core.status_categories(categories), peers)
     pub = primary["master_keys"]["files"]["pub"]
     primary_finger = finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
     for peer in peers:

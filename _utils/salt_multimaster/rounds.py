@@ -57,12 +57,26 @@ class Rounds:
         return core.read_primary(self.opts, categories, conf["topology"],
                                  conf["master_config_keys"], conf["rescan"], saved)
 
-    def _inventory_request(self, categories, digests):
+    def ask(self, peers, categories, digests=None, ids=None):
+        """
+        Every peer's inventory of ``categories`` against ``digests``, or
+        with ``ids`` its keys of those minion ids only: ``{peer: (reply,
+        error)}``.
+        """
+        return self._publish_inventory(peers, categories, digests, ids).replies(
+            self._inventory_wait(peers))
+
+    def _publish_inventory(self, peers, categories, digests, ids=None):
         conf = self.conf
-        return protocol.request(
-            "multimaster_peer.inventory", categories=categories, digests=digests,
-            topology=conf["topology"], config_keys=conf["master_config_keys"], test=self.test,
-            rescan=conf["rescan"] or None)
+        if ids is not None:
+            request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
+                                       minion_ids=ids, test=self.test)
+        else:
+            request = protocol.request(
+                "multimaster_peer.inventory", categories=categories, digests=digests,
+                topology=conf["topology"], config_keys=conf["master_config_keys"],
+                test=self.test, rescan=conf["rescan"] or None)
+        return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
 
     def _inventory_wait(self, peers):
         """The ``on_wait`` of an inventory job: one progress line now and then."""
@@ -71,19 +85,6 @@ class Rounds:
         return lambda seconds: self.salt.progress(
             f"multimaster: waiting for the inventory of {names}, {seconds:.0f} s",
             phase="inventory")
-
-    def ask(self, peers, categories, digests):
-        """Every peer's inventory against ``digests``: ``{peer: (reply, error)}``."""
-        return self.salt.publish(peers, "multimaster_peer.inventory",
-                                 self._inventory_request(categories, digests),
-                                 self.conf["timeout"]).replies(self._inventory_wait(peers))
-
-    def ask_targeted(self, peers, ids):
-        """Every peer's keys of ``ids``: ``{peer: (reply, error)}``."""
-        request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
-                                   minion_ids=ids, test=self.test)
-        return self.salt.publish(peers, "multimaster_peer.inventory", request,
-                                 self.conf["timeout"]).replies(self._inventory_wait(peers))
 
     def inventories(self, categories, peers):
         """
@@ -102,9 +103,7 @@ class Rounds:
             primary = self.read_primary(categories, saved)
             return primary, self.ask(peers, categories,
                                      core.current_digests(primary, categories))
-        job = self.salt.publish(peers, "multimaster_peer.inventory",
-                                self._inventory_request(categories, digests),
-                                self.conf["timeout"])
+        job = self._publish_inventory(peers, categories, digests)
         try:
             primary = self.read_primary(categories, saved)
         finally:
@@ -256,7 +255,7 @@ class Rounds:
             return got, inv
         ids = primary["minion_keys"]["ids"]
         if got is None:
-            got, error = self.ask_targeted([peer], ids)[peer]
+            got, error = self.ask([peer], categories, ids=ids)[peer]
             if error:
                 return {"result": False, "error": error}, None
             return self.sync_one(peer, categories, primary, got), None
@@ -285,7 +284,7 @@ class Rounds:
                 base = core.snapshot_keys(opts, ids)
                 known = {peer: core.targeted_held(opts, peer, ids, base) for peer in peers}
             slow = [peer for peer in peers if not known.get(peer)]
-            invs = self.ask_targeted(slow, ids) if slow else {}
+            invs = self.ask(slow, ["minion_keys"], ids=ids) if slow else {}
         elif any(held.values()):
             # what a peer holds is known: read here first, then one publish each
             primary = self.read_primary(categories)

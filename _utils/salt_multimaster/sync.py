@@ -251,14 +251,22 @@ def drift(report, categories):
             for cat in categories}
 
 
+def status_categories(categories):
+    """
+    What ``multimaster.status`` reads of the primary and asks each peer
+    for: ``categories`` plus the master and minion keys, whose
+    fingerprints and counts it shows.
+    """
+    return sorted(set(categories) | {"master_keys", "minion_keys"})
+
+
 def peer_status(peer, inv, primary, categories, topology, primary_finger, pullable):
     """
-    One peer's ``multimaster.status`` row, from its inventory ``inv`` against
-    the primary's state (planned over ``categories`` plus the master and
-    minion keys, whose fingerprints and counts it shows).
+    One peer's ``multimaster.status`` row, from its inventory ``inv`` of
+    :func:`status_categories` against the primary's state; the drift is
+    counted over ``categories``.
     """
-    all_cats = sorted(set(categories) | {"master_keys", "minion_keys"})
-    _, plan_report = plan(topology, all_cats, primary, inv, False)
+    _, plan_report = plan(topology, status_categories(categories), primary, inv, False)
     counts = drift(plan_report, categories)
     row = {
         "reachable": True,

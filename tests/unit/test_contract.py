@@ -282,7 +282,8 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
         sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
         got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
                          expect=expect)
-        first = first if expect is None else got
+        if expect is not None:
+            first = got
         if "inventory" not in got:
             break
         inv, expect = got["inventory"], None

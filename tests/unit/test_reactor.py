@@ -6,7 +6,6 @@ master's reactor does) and the coalescing runner behind it.
 import importlib.util
 import os
 import threading
-import time
 from unittest.mock import patch
 
 import pytest
