@@ -101,11 +101,15 @@ def makedirs(path, mode=0o755):
             raise
 
 
-def atomic_write(path, data, mode=0o644):
+def atomic_write(path, data, mode=0o644, durable=True):
     """
     Write ``data`` (bytes or str) to ``path`` atomically with ``mode``.
 
     A symlink at ``path`` is replaced by a regular file, never followed.
+    ``durable=False``, for a cache whose reader takes a missing, empty or
+    malformed file for no cache and checks what it reads against the disk:
+    still atomic for readers, without the two disk flushes (after a crash
+    the file may be the old one, or empty).
     """
     if isinstance(data, str):
         data = data.encode("utf-8")
@@ -115,8 +119,9 @@ def atomic_write(path, data, mode=0o644):
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), mode)
             fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -124,7 +129,8 @@ def atomic_write(path, data, mode=0o644):
         except OSError:
             pass
         raise
-    _fsync_dir(directory)
+    if durable:
+        _fsync_dir(directory)
 
 
 class Batch:

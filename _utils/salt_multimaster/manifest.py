@@ -183,7 +183,8 @@ class HashCache:
         if not self.path or not self.dirty:
             return
         fsutil.makedirs(os.path.dirname(self.path), mode=0o700)
-        fsutil.atomic_write(self.path, json.dumps(self.entries), mode=0o600)
+        # a cache: checked against each file's stat, rebuilt when unreadable
+        fsutil.atomic_write(self.path, json.dumps(self.entries), mode=0o600, durable=False)
         self.dirty = False
 
 
@@ -715,8 +716,11 @@ class KeysSnapshot:
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
                                   "errors": errors, "damaged": damaged})
         fsutil.makedirs(self.state_dir, mode=0o700)
-        fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600)
-        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
+        # a cache of the key dirs: checked against their stamps, the
+        # manifest against the digests (``manifest``), listed again when unreadable
+        fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600,
+                            durable=False)
+        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
         fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
 
@@ -750,7 +754,7 @@ class KeysSnapshot:
         if self.meta.get("dirs") is None:
             return
         self.meta.update(fields)
-        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600)
+        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
 
 
 _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
@@ -809,4 +813,7 @@ class SavedManifest:
     def save(self, man, digests):
         if digests == self.digest:
             return
-        fsutil.atomic_write(self.path, json.dumps({"digest": digests, "manifest": man}), mode=0o600)
+        # used only for a peer whose digests equal these: a stale or lost
+        # file costs a second round, never a wrong plan
+        fsutil.atomic_write(self.path, json.dumps({"digest": digests, "manifest": man}),
+                            mode=0o600, durable=False)

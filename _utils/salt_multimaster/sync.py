@@ -605,7 +605,8 @@ def _memory(opts, peer):
 
 def _save_memory(opts, peer, held):
     fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
-    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600)
+    # a stale or lost record costs a second round: the apply is conditional on it
+    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600, durable=False)
 
 
 def remembered(opts, peer, categories):

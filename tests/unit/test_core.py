@@ -345,6 +345,33 @@ def test_atomic_write_modes_and_safe_join(tmp_path):
         fsutil.safe_join(str(tmp_path), "out/x")
 
 
+def test_a_cache_is_written_atomically_without_disk_flushes(tmp_path, monkeypatch):
+    """
+    ``durable=False`` (the hash caches, the key snapshot, the saved roots
+    manifests, what a peer was last confirmed to hold): the same rename into
+    place, no fsync; everything else is flushed, file and directory.
+    """
+    flushed = []
+    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: flushed.append(os.fstat(fd).st_mode))
+    fsutil.atomic_write(str(tmp_path / "cache.json"), "{}", mode=0o600, durable=False)
+    assert flushed == [] and (tmp_path / "cache.json").read_text() == "{}"
+    assert stat.S_IMODE((tmp_path / "cache.json").stat().st_mode) == 0o600
+    fsutil.atomic_write(str(tmp_path / "record.json"), "{}", mode=0o600)
+    assert [stat.S_ISREG(m) for m in flushed] == [True, False]  # the file, then its dir
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".mm-")] == []
+    # what is written so is a cache its readers rebuild when it is unreadable
+    state = tmp_path / "state"
+    pki = tmp_path / "pki"
+    (pki / "minions").mkdir(parents=True)
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    (state / manifest.KEYS_SNAPSHOT_MANIFEST).write_text("")  # lost in a crash
+    (state / manifest.KEYS_SNAPSHOT).write_text("")
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert not again.reused and again.digest == first.digest
+    assert again.manifest == first.manifest
+
+
 def test_batch_commits_all_writes_then_removals(tmp_path):
     keep = tmp_path / "old"
     keep.write_text("old")
