@@ -133,9 +133,15 @@ def atomic_write(path, data, mode=0o644, durable=True):
         _fsync_dir(directory)
 
 
+#: a batch of up to this many files flushes each; a larger one syncs once
+FSYNC_EACH_MAX = 64
+
+
 class Batch:
     """
-    Many atomic writes and removals, made durable with one ``sync``.
+    Many atomic writes and removals, made durable with one ``sync`` (up to
+    :data:`FSYNC_EACH_MAX` files, one ``fsync`` each instead: a ``sync``
+    flushes every filesystem of the host, whatever else is writing there).
 
     ``write`` puts the content in a staging directory beside its destination
     (``.mm-stage-*``, one per destination directory: creating thousands of
@@ -242,8 +248,11 @@ class Batch:
         dirs = set()
         done = 0
         try:
-            if self.staged:
+            if len(self.staged) > FSYNC_EACH_MAX:
                 os.sync()
+            else:
+                for tmp, _ in self.staged:
+                    _fsync_path(tmp)
             for tmp, path in self.staged:
                 try:
                     os.rename(tmp, path)
@@ -368,6 +377,14 @@ def _unlink(path):
         os.unlink(path)
     except OSError:
         pass
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(directory):

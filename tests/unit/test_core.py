@@ -372,6 +372,29 @@ def test_a_cache_is_written_atomically_without_disk_flushes(tmp_path, monkeypatc
     assert again.manifest == first.manifest
 
 
+def test_a_small_batch_flushes_its_files_a_large_one_syncs_once(tmp_path, monkeypatch):
+    """
+    ``sync`` flushes every filesystem of the host (a busy master's job
+    cache, its logs): a batch of up to FSYNC_EACH_MAX files flushes each
+    file instead; above that one ``sync`` beats a flush per file.
+    """
+    calls = []
+    monkeypatch.setattr(fsutil.os, "sync", lambda: calls.append("sync"))
+    monkeypatch.setattr(fsutil.os, "fsync", lambda fd: calls.append(
+        "file" if stat.S_ISREG(os.fstat(fd).st_mode) else "dir"))
+    for count, expected in ((2, ["file", "file", "dir"]),
+                            (fsutil.FSYNC_EACH_MAX + 1, ["sync", "dir"])):
+        calls.clear()
+        dest = tmp_path / str(count)
+        dest.mkdir()
+        batch = fsutil.Batch()
+        for i in range(count):
+            batch.write(str(dest / f"f{i}"), b"data", 0o644)
+        batch.commit()
+        assert calls == expected
+        assert sorted(os.listdir(dest)) == sorted(f"f{i}" for i in range(count))
+
+
 def test_batch_commits_all_writes_then_removals(tmp_path):
     keep = tmp_path / "old"
     keep.write_text("old")
