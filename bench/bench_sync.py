@@ -609,9 +609,40 @@ class Bench:
             self.reset_peer(0)
             self.profile("initial-sync", ["multimaster.sync", f"peers={peer1}", INITIAL_TIMEOUT])
 
+    def run_change(self):
+        """
+        ``--only change``: the initial sync untimed, then the change sync next
+        to rsync, with both floors (default config, ``runner_returns:
+        False``) measured in the same run, between the change runs.
+        """
+        peer1, n = self.peer_ids[0], self.args.repeat
+        self.sync([peer1], "sync initial, 1 peer", INITIAL_TIMEOUT)
+        self.rsync([peer1], "rsync initial, 1 peer")
+        self.restart_masters([peer1])
+        self.salt_run("test.arg", "warm-up")
+        self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer")
+        self.repeat(n, self.rsync, [peer1], "rsync no-op, 1 peer")
+        pubs = sorted((self.pki / "minions").iterdir())[:3]
+        files = sorted(p for p in self.base.rglob("*.sls"))
+        rng = random.Random(7)
+        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
+        for i in range(n):
+            self.floor()
+            dropin.write_text("runner_returns: false\n")
+            try:
+                secs, _ = self.salt_run("test.arg", "bench")
+                self.record("floor with runner_returns: False", secs)
+            finally:
+                dropin.unlink()
+            self.change(pubs, files, rng, i)
+            self.sync([peer1], "sync 1 key + 1 file, 1 peer")
+            self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
+
     def run(self):
         if self.args.only == "initial":
             return self.run_initial()
+        if self.args.only == "change":
+            return self.run_change()
         a, n = self.args, self.args.repeat
         peer1, peers = self.peer_ids[0], self.peer_ids
         say(f"primary has {len(os.listdir(self.pki / 'minions'))} accepted keys, "
@@ -1104,9 +1135,13 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3, help="runs of each repeatable case (3)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the cProfile runs")
-    parser.add_argument("--only", choices=("all", "initial"), default="all",
+    parser.add_argument("--only", choices=("all", "initial", "change"), default="all",
                         help="'initial': only the initial sync to one peer (the peer reset before "
-                             "each run), then a profile of it")
+                             "each run), then a profile of it; 'change': only the no-op and the "
+                             "change sync to one peer, next to rsync and both floors")
+    parser.add_argument("--hold", action="store_true",
+                        help="after the run, keep the cluster running until SIGTERM/SIGINT "
+                             "(prints how to reach it); implies --keep")
     parser.add_argument("--keep", action="store_true", help="keep the /tmp/mmb-* root")
     parser.add_argument("--primary-conf", type=_yaml_mapping, default=None,
                         help="YAML mapping added to the primary's config for the whole run, "
@@ -1114,6 +1149,7 @@ def main(argv=None):
     parser.add_argument("--worktree", action="store_true",
                         help="measure the working tree instead of the committed HEAD")
     args = parser.parse_args(argv)
+    args.keep = args.keep or args.hold
     args.stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
     # A SIGTERM/SIGINT still runs every cleanup below.
@@ -1163,6 +1199,11 @@ def main(argv=None):
         finally:
             if bench.res["runs"]:
                 bench.report()
+        if args.hold:
+            say(f"holding the cluster: PYTHONPATH={site} {BIN}/salt-run -c {bench.conf_dir} ...; "
+                "SIGTERM or Ctrl-C stops it")
+            while True:
+                time.sleep(3600)
     return 0
 
 
