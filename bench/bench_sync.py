@@ -616,8 +616,9 @@ class Bench:
         False``) measured in the same run, between the change runs.
         """
         peer1, n = self.peer_ids[0], self.args.repeat
-        self.sync([peer1], "sync initial, 1 peer", INITIAL_TIMEOUT)
-        self.rsync([peer1], "rsync initial, 1 peer")
+        # setup, not a case of the report (the peer's master restarts after it)
+        self.sync([peer1], "setup: initial sync, 1 peer", INITIAL_TIMEOUT)
+        self.rsync([peer1], "setup: initial rsync, 1 peer")
         self.restart_masters([peer1])
         self.salt_run("test.arg", "warm-up")
         self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer")
