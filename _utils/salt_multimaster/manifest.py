@@ -78,9 +78,13 @@ def key_sha_file(path):
 BUCKETS = 64
 
 
+_BUCKET_NAMES = [str(b) for b in range(256)]
+
+
 def bucket_of(name):
     """The bucket (a string) a key id or a roots path falls in."""
-    return str(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0] % BUCKETS)
+    return _BUCKET_NAMES[hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0]
+                         % BUCKETS]
 
 
 def split(cat, man):
@@ -98,14 +102,21 @@ def split(cat, man):
 
 
 def _part_digest(part):
-    """sha256 of a partial manifest (``{outer: {name: value}}``), every field length-prefixed."""
-    h = hashlib.sha256()
+    """
+    sha256 of a partial manifest (``{outer: {name: value}}``): per entry a
+    line of its fields (outer, name, each value), each length-prefixed.
+    """
+    lines = []
     for outer in sorted(part):
+        head = f"{len(outer)}:{outer}"
         for name, value in sorted(part[outer].items()):
-            fields = [outer, name] + (list(map(str, value)) if isinstance(value, list) else [str(value)])
-            h.update("".join(f"{len(f)}:{f}" for f in fields).encode("utf-8", "surrogateescape"))
-            h.update(b"\n")
-    return h.hexdigest()
+            if isinstance(value, list):
+                tail = "".join([f"{len(v)}:{v}" for v in map(str, value)])
+            else:
+                v = str(value)
+                tail = f"{len(v)}:{v}"
+            lines.append(f"{head}{len(name)}:{name}{tail}\n")
+    return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def bucket_digests(parts):

@@ -94,7 +94,9 @@ def record_history(mopts, state_dir, primary_digest):
     snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir)
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     if same:
-        held = manifest.merge(snap.parts, same)
+        # every bucket the same (the apply went through): every id, uncut
+        held = (snap.manifest if len(same) == len(snap.digest)
+                else manifest.merge(snap.parts, same))
         ids = {mid for keys in held.values() for mid in keys}
         history = set(read_history(state_dir))
         if not ids <= history:

@@ -459,3 +459,37 @@ def test_buckets_exchange_only_what_changed():
     parts = manifest.split("minion_keys", keys)
     assert manifest.merge(parts, list(parts)) == keys
     assert 1 < len(parts) <= manifest.BUCKETS
+
+
+def _reference_part_digest(part):
+    """The digest as protocol 1 defines it, written the plain way."""
+    h = hashlib.sha256()
+    for outer in sorted(part):
+        for name, value in sorted(part[outer].items()):
+            fields = [outer, name] + (list(map(str, value)) if isinstance(value, list)
+                                      else [str(value)])
+            h.update("".join(f"{len(f)}:{f}" for f in fields).encode("utf-8", "surrogateescape"))
+            h.update(b"\n")
+    return h.hexdigest()
+
+
+def test_bucket_digests_stay_those_of_protocol_1():
+    """
+    Primary and peers of different releases compare these digests: a faster
+    computation must give the same bytes (keys with a sha, files with
+    [size, mode, sha], names that are not ASCII or not UTF-8 at all).
+    """
+    keys = {"minions": {f"web{i}": hashlib.sha256(str(i).encode()).hexdigest()
+                        for i in range(300)},
+            "minions_pre": {"caf\u00e9": "ab" * 32, "bad\udcff": "cd" * 32},
+            "minions_rejected": {}}
+    roots = {"base": {f"dir{i % 7}/f{i}.sls": [i * 10, 0o644, "ef" * 32] for i in range(300)},
+             "prod": {"\u00fcber.sls": [0, 0o600, "01" * 32]}}
+    for cat, man in (("minion_keys", keys), ("file_roots", roots)):
+        parts = manifest.split(cat, man)
+        assert len(parts) > 40
+        assert manifest.bucket_digests(parts) == {
+            b: _reference_part_digest(p) for b, p in parts.items()}
+        assert sum(len(e) for p in parts.values() for e in p.values()) == sum(
+            len(e) for e in man.values())
+    assert manifest.bucket_of("web1") == str(hashlib.sha1(b"web1").digest()[0] % 64)
