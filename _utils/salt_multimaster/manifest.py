@@ -9,6 +9,7 @@ import fnmatch
 import hashlib
 import json
 import logging
+import operator
 import os
 import re
 import shutil
@@ -213,6 +214,8 @@ class Ignore:
         self.glob = list(glob)
         # fnmatch.fnmatch of each glob, as one match (POSIX: no case folding)
         self._glob = re.compile("|".join(fnmatch.translate(g) for g in glob)) if glob else None
+        #: False when nothing is ignored (no call needed)
+        self.active = bool(self.regex or self.glob)
 
     @classmethod
     def from_opts(cls, opts):
@@ -226,6 +229,9 @@ class Ignore:
             if self._glob is not None and self._glob.match(candidate):
                 return True
         return False
+
+
+_entry_name = operator.attrgetter("name")
 
 
 def tree_manifest(roots, ignore, cache, seen=None, errors=None):
@@ -258,31 +264,34 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
                 continue  # a symlink loop inside the root
             ancestors = ancestors | {real_dir}
             try:
-                entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+                entries = sorted(os.scandir(dirpath), key=_entry_name)
             except OSError as exc:
                 errors.append(Damaged(f"{root}: {rel_dir or '.'}: {exc.strerror}",
                                       f"{rel_dir}/" if rel_dir else "/"))
                 continue
             subdirs = []
+            real_prefix = real_dir if real_dir.endswith(os.sep) else real_dir + os.sep
+            rel_prefix = f"{rel_dir}/" if rel_dir else ""
             for entry in entries:
                 name = entry.name
                 if name.startswith(fsutil.TEMP_PREFIX):
                     continue  # a sync writing here: its temporary files
-                rel = f"{rel_dir}/{name}" if rel_dir else name
+                rel = rel_prefix + name
                 full = entry.path
                 try:
                     is_dir = entry.is_dir()  # follows symlinks, as Salt does
                 except OSError:
                     is_dir = False
                 if is_dir:
-                    if not (ignore(rel + "/", full + "/") or ignore(rel, full)):
+                    if not ignore.active or not (ignore(rel + "/", full + "/")
+                                                 or ignore(rel, full)):
                         subdirs.append((rel, full, ancestors, None if entry.is_symlink()
-                                        else os.path.join(real_dir, name)))
+                                        else real_prefix + name))
                     continue
-                if rel in ret or ignore(rel, full):
+                if rel in ret or (ignore.active and ignore(rel, full)):
                     continue
                 link = entry.is_symlink()
-                real = os.path.realpath(full) if link else os.path.join(real_dir, name)
+                real = os.path.realpath(full) if link else real_prefix + name
                 if link and not real.startswith(inside):
                     errors.append(f"{root}: {rel}: symlink leads outside the root, not replicated")
                     continue
