@@ -663,6 +663,9 @@ class KeysSnapshot:
         """
         dirs, taken = self.meta.get("dirs") or {}, self.meta.get("taken_ns", 0)
         clock = self.meta.get("clock")
+        # a dir holding a key that could not be used is listed every time:
+        # repaired in place (its dir unchanged), it is found at once
+        errors = self.meta.get("errors") or {}
 
         def settled(stamp):
             if stamp is None:
@@ -672,7 +675,8 @@ class KeysSnapshot:
             return stamp[2] + RACY_NS < taken
 
         return {state for state, stamp in stamps.items()
-                if state in dirs and dirs[state] == stamp and settled(stamp)}
+                if state in dirs and dirs[state] == stamp and settled(stamp)
+                and not errors.get(state)}
 
     def _load_entries(self):
         return saved_key_entries(self.state_dir)

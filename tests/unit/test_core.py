@@ -148,10 +148,9 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     state.mkdir()
     pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
     (pki / "minions" / "web1").write_bytes(pub)
-    (pki / "minions" / "junk").write_text("not a key")
     _age(pki)
     first = manifest.KeysSnapshot(str(pki), str(state))
-    assert not first.reused and first.hashed == 2  # web1, and junk found not a key
+    assert not first.reused and first.hashed == 1
     listed, errors = _listed(pki, tmp_path)
     assert first.manifest == listed and first.errors == errors
     assert first.digest == manifest.digest_of_keys(listed)
@@ -166,7 +165,7 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     os.rename(pki / "minions_pre" / "web2", pki / "minions" / "web2")
     moved = manifest.KeysSnapshot(str(pki), str(state))
     assert not moved.reused and sorted(moved.manifest["minions"]) == ["web1", "web2"]
-    assert moved.hashed == 2  # web2, and junk again (never kept); web1 only statted
+    assert moved.hashed == 1  # web2; web1 only statted
     assert moved.errors == errors
     assert moved.digest != first.digest
     # listed a moment after that change, once the filesystem's clock had
@@ -176,7 +175,40 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     assert not manifest.KeysSnapshot(str(pki), str(state)).reused  # the dirs' stamps moved
     assert manifest.KeysSnapshot(str(pki), str(state)).reused
     rescanned = manifest.KeysSnapshot(str(pki), str(state), rescan=True)
-    assert not rescanned.reused and rescanned.hashed == 1  # every key statted, only junk read
+    assert not rescanned.reused and rescanned.hashed == 0  # every key statted, none read
+
+
+def test_a_key_dir_holding_a_damaged_key_is_listed_every_time(tmp_path):
+    """
+    A key that cannot be used (not a PEM key, unreadable) is reported and
+    never read as deleted; repaired in place (the dir's mtime unchanged, as
+    an editor or ``cp`` over it does), it is found by the next listing: its
+    dir is not taken from the snapshot while it holds one.  The other dirs
+    still are.
+    """
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    for d in ("minions", "minions_pre"):
+        (pki / d).mkdir(parents=True)
+    pub = gen_keypair(1024)[1]
+    (pki / "minions_pre" / "web1").write_bytes(pub)
+    junk = pki / "minions" / "junk"
+    junk.write_text("not a key")
+    _age(pki)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    assert any("junk" in e and "PEM" in e for e in first.errors)
+    assert first.damaged == {"minions": ["junk"]}
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert not again.reused and again.errors == first.errors
+    assert again.meta["dirs"] == first.meta["dirs"]
+    stamp = (pki / "minions").stat().st_mtime_ns
+    with open(junk, "r+b") as fh:  # repaired in place
+        fh.truncate(0)
+        fh.write(pub)
+    assert (pki / "minions").stat().st_mtime_ns == stamp
+    repaired = manifest.KeysSnapshot(str(pki), str(state))
+    assert repaired.errors == [] and repaired.damaged == {}
+    assert repaired.manifest["minions"] == {"junk": manifest.key_sha(pub)}
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
 
 
 def _future(path, seconds):
