@@ -102,6 +102,17 @@ def _pillar_lists_peer(grow):
         assert ret.returncode == 0, ret
 
 
+def _apply_and_restart(grow, masters):
+    """``state.apply salt.multimaster`` on the minion, restarted; it answers ``masters``."""
+    minion = grow.minions[0]
+    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
+                    timeout=240)
+    assert ret.returncode == 0, ret
+    grow.restart(minion)
+    for master in masters:
+        assert grow.wait_ping(master, minion.id)
+
+
 @pytest.fixture
 def not_added(grow):
     """
@@ -145,12 +156,7 @@ def listed(added):
     minion = grow.minions[0]
     path = _minion_dropin(minion)
     if not (path.exists() and grow.peer_ip in path.read_text()):
-        ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
-                        timeout=240)
-        assert ret.returncode == 0, ret
-        grow.restart(minion)
-        assert grow.wait_ping(grow.primary, minion.id)
-        assert grow.wait_ping(grow.peers[0], minion.id)
+        _apply_and_restart(grow, grow.masters)
     return grow
 
 
@@ -222,12 +228,7 @@ def test_add_peer_places_keys_before_the_first_start(not_added):
 def test_formula_gives_every_minion_the_new_master(added):
     grow = added
     minion = grow.minions[0]
-    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
-                    timeout=240)
-    assert ret.returncode == 0, ret
-    grow.restart(minion)
-    assert grow.wait_ping(grow.primary, minion.id)
-    assert grow.wait_ping(grow.peers[0], minion.id)
+    _apply_and_restart(grow, grow.masters)
     ret = grow.salt(grow.peers[0], "test.ping", minion_tgt=minion.id)
     assert ret.stdout.count(minion.id) == 1, ret.stdout
     masters, bad = _audit(grow, minion)
@@ -252,11 +253,7 @@ def test_remove_peer_once_no_minion_lists_it(added):
     ret = grow.salt(grow.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id,
                     timeout=120)
     assert ret.returncode == 0, ret
-    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
-                    timeout=240)
-    assert ret.returncode == 0, ret
-    grow.restart(minion)
-    assert grow.wait_ping(grow.primary, minion.id)
+    _apply_and_restart(grow, [grow.primary])
     before = dropin(grow.primary).read_text()
     ret = grow.salt_run(grow.primary, "multimaster.remove_peer", grow.peer_id, "test=True")
     assert ret.returncode == 0, ret
