@@ -146,13 +146,12 @@ def first_run(cluster):
     """
     run = {}
     _plant(cluster)
-    before = [_snapshot(p) for p in cluster.peers]
+    run["before"] = [_snapshot(p) for p in cluster.peers]
     run["status"] = cluster.salt_run(cluster.primary, "multimaster.status")
     run["fingers"] = {m.id: cluster.master_fingerprint(m) for m in cluster.masters}
     run["after_status"] = [_snapshot(p) for p in cluster.peers]
     run["test"] = cluster.salt_run(cluster.primary, "multimaster.sync", "test=True")
     run["after_test"] = [_snapshot(p) for p in cluster.peers]
-    run["before"] = before
     run["sync"] = cluster.salt_run(cluster.primary, "multimaster.sync")
     run["primary_keys"] = cluster.keys(cluster.primary)
     run["primary_master_keys"] = [
