@@ -99,3 +99,20 @@ def cluster_factory(salt_factories):
     yield factory
     for cluster in built:
         cluster.stop()
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+    """
+    ``MM_TEST_ORDER=reverse``: run the tests of each module in reverse order
+    (modules keep their order), a probe for tests that rely on what an
+    earlier test of the same module did.  Unset: the default order.
+    """
+    order = os.environ.get("MM_TEST_ORDER", "")
+    if not order:
+        return
+    if order != "reverse":
+        raise pytest.UsageError(f"MM_TEST_ORDER must be 'reverse' or unset, not {order!r}")
+    groups = {}
+    for item in items:
+        groups.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    items[:] = [item for group in groups.values() for item in reversed(group)]

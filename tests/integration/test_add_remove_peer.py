@@ -7,10 +7,13 @@ the primary's master keys before its first start.  Every minion answers
 from the new master after ``state.apply salt.multimaster``; remove_peer
 refuses while a minion lists it, and leaves the audit clean once none does.
 
-The tests of this module run in order and build on each other.
+No test leans on another: each starts from the state it asks for
+(``not_added``, ``added``, ``listed``), which the fixture brings the shared
+cluster to.
 """
 
 import os
+import pathlib
 import stat
 
 import pytest
@@ -82,7 +85,83 @@ def _error(ret):
     return str(ret.data.get("error") if isinstance(ret.data, dict) else ret.stdout)
 
 
-def test_bad_input_is_refused_by_name(grow):
+def _minion_dropin(minion):
+    """The formula's drop-in in the minion's config dir."""
+    return pathlib.Path(minion.config_file).parent / "minion.d" / "multimaster.conf"
+
+
+def _pillar_lists_peer(grow):
+    """The minion's pillar lists the primary and the new master (refreshed if it changed)."""
+    files = [grow.pillar_root / "top.sls", grow.pillar_root / "multimaster.sls"]
+    before = [p.read_text() if p.exists() else None for p in files]
+    minion = grow.minions[0]
+    write_pillar(grow.pillar_root, [minion.id], [grow.primary_ip, grow.peer_ip], grow.marker)
+    if [p.read_text() for p in files] != before:
+        ret = grow.salt(grow.primary, "saltutil.refresh_pillar", "wait=True",
+                        minion_tgt=minion.id, timeout=120)
+        assert ret.returncode == 0, ret
+
+
+def _apply_and_restart(grow, masters):
+    """``state.apply salt.multimaster`` on the minion, restarted; it answers ``masters``."""
+    minion = grow.minions[0]
+    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
+                    timeout=240)
+    assert ret.returncode == 0, ret
+    grow.restart(minion)
+    for master in masters:
+        assert grow.wait_ping(master, minion.id)
+
+
+@pytest.fixture
+def not_added(grow):
+    """
+    The new master as before add_peer: no peer of the primary, stopped,
+    without the primary's keys; the minion's pillar lists it, its config
+    does not.
+    """
+    if dropin(grow.primary).exists():
+        grow.salt_run(grow.primary, "multimaster.remove_peer", grow.peer_id, "force=True")
+        assert not dropin(grow.primary).exists()
+    peer = grow.peers[0]
+    if peer.is_running():
+        peer.terminate()
+    pki = grow.pki_dir(peer)
+    for name in ("master.pem", "master.pub", f"{peer.id}.pem", f"{peer.id}.pub"):
+        (pki / name).unlink(missing_ok=True)
+    _minion_dropin(grow.minions[0]).unlink(missing_ok=True)
+    _pillar_lists_peer(grow)
+    return grow
+
+
+@pytest.fixture
+def added(grow):
+    """The new master added by add_peer and running; the minion's pillar lists it."""
+    _pillar_lists_peer(grow)
+    peer = grow.peers[0]
+    if not dropin(grow.primary).exists():
+        if peer.is_running():
+            peer.terminate()
+        ret = grow.salt_run(grow.primary, "multimaster.add_peer", grow.peer_id)
+        assert ret.data["steps"]["sync"]["result"] is True, ret
+    if not peer.is_running():
+        peer.start()
+    return grow
+
+
+@pytest.fixture
+def listed(added):
+    """Added, and the minion's config lists it (formula applied, minion restarted)."""
+    grow = added
+    minion = grow.minions[0]
+    path = _minion_dropin(minion)
+    if not (path.exists() and grow.peer_ip in path.read_text()):
+        _apply_and_restart(grow, grow.masters)
+    return grow
+
+
+def test_bad_input_is_refused_by_name(not_added):
+    grow = not_added
     pending = grow.pki_dir(grow.primary) / "minions_pre" / "adp-pending"
     pending.parent.mkdir(exist_ok=True)
     pending.write_bytes(gen_keypair(1024)[1])
@@ -101,7 +180,8 @@ def test_bad_input_is_refused_by_name(grow):
     pending.unlink()
 
 
-def test_add_peer_test_mode_shows_the_plan_and_writes_nothing(grow):
+def test_add_peer_test_mode_shows_the_plan_and_writes_nothing(not_added):
+    grow = not_added
     primary, peer = _tree(grow.primary), _tree(grow.peers[0])
     ret = grow.salt_run(grow.primary, "multimaster.add_peer", grow.peer_id, "test=True")
     assert ret.returncode == 0, ret
@@ -118,7 +198,8 @@ def test_add_peer_test_mode_shows_the_plan_and_writes_nothing(grow):
     assert not dropin(grow.primary).exists()
 
 
-def test_add_peer_places_keys_before_the_first_start(grow):
+def test_add_peer_places_keys_before_the_first_start(not_added):
+    grow = not_added
     ret = grow.salt_run(grow.primary, "multimaster.add_peer", grow.peer_id)
     steps = ret.data["steps"]
     assert steps["check"]["result"] is True and steps["config"]["result"] is True, steps
@@ -144,21 +225,18 @@ def test_add_peer_places_keys_before_the_first_start(grow):
     assert "is already a peer" in _error(ret), ret
 
 
-def test_formula_gives_every_minion_the_new_master(grow):
+def test_formula_gives_every_minion_the_new_master(added):
+    grow = added
     minion = grow.minions[0]
-    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
-                    timeout=240)
-    assert ret.returncode == 0, ret
-    grow.restart(minion)
-    assert grow.wait_ping(grow.primary, minion.id)
-    assert grow.wait_ping(grow.peers[0], minion.id)
+    _apply_and_restart(grow, grow.masters)
     ret = grow.salt(grow.peers[0], "test.ping", minion_tgt=minion.id)
     assert ret.stdout.count(minion.id) == 1, ret.stdout
     masters, bad = _audit(grow, minion)
     assert masters == [grow.primary_ip, grow.peer_ip] and bad == [], bad
 
 
-def test_remove_peer_refused_while_a_minion_lists_it(grow):
+def test_remove_peer_refused_while_a_minion_lists_it(listed):
+    grow = listed
     before = dropin(grow.primary).read_text()
     ret = grow.salt_run(grow.primary, "multimaster.remove_peer", grow.peer_id)
     assert ret.returncode != 0, ret
@@ -168,17 +246,14 @@ def test_remove_peer_refused_while_a_minion_lists_it(grow):
     assert dropin(grow.primary).read_text() == before
 
 
-def test_remove_peer_once_no_minion_lists_it(grow):
+def test_remove_peer_once_no_minion_lists_it(added):
+    grow = added
     minion = grow.minions[0]
     write_pillar(grow.pillar_root, [minion.id], [grow.primary_ip], grow.marker)
     ret = grow.salt(grow.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id,
                     timeout=120)
     assert ret.returncode == 0, ret
-    ret = grow.salt(grow.primary, "state.apply", "salt.multimaster", minion_tgt=minion.id,
-                    timeout=240)
-    assert ret.returncode == 0, ret
-    grow.restart(minion)
-    assert grow.wait_ping(grow.primary, minion.id)
+    _apply_and_restart(grow, [grow.primary])
     before = dropin(grow.primary).read_text()
     ret = grow.salt_run(grow.primary, "multimaster.remove_peer", grow.peer_id, "test=True")
     assert ret.returncode == 0, ret

@@ -23,14 +23,21 @@ def cluster(cluster_factory, clean_environ, repo_tree):
     cluster.stop()
 
 
-def test_not_loaded_before_sync(cluster):
+@pytest.fixture(scope="module")
+def before_sync(cluster):
+    """What the minion and the master answered before any sync: asked once, first."""
     minion = cluster.minions[0].id
-    ret = cluster.salt(cluster.primary, "multimaster.version", minion_tgt=minion)
-    assert "is not available" in str(ret.data)
-    ret = cluster.salt_run(cluster.primary, "multimaster.version")
+    return {"minion": cluster.salt(cluster.primary, "multimaster.version", minion_tgt=minion),
+            "master": cluster.salt_run(cluster.primary, "multimaster.version")}
+
+
+def test_not_loaded_before_sync(before_sync):
+    assert "is not available" in str(before_sync["minion"].data)
+    ret = before_sync["master"]
     assert ret.returncode != 0 or "is not available" in ret.stdout
 
 
+@pytest.mark.usefixtures("before_sync")
 def test_sync_all_loads_module_and_states(cluster):
     minion = cluster.minions[0].id
     ret = cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion, timeout=180)
@@ -45,6 +52,7 @@ def test_sync_all_loads_module_and_states(cluster):
     assert "CLI Example" in ret.data["multimaster.version"]
 
 
+@pytest.mark.usefixtures("before_sync")
 def test_sync_runners_loads_runner(cluster):
     ret = cluster.salt_run(cluster.primary, "saltutil.sync_runners")
     assert ret.returncode == 0, ret
@@ -59,6 +67,7 @@ def test_sync_runners_loads_runner(cluster):
     assert "CLI Example" in ret.stdout, ret
 
 
+@pytest.mark.usefixtures("before_sync")
 def test_formula_is_an_sls(cluster):
     minion = cluster.minions[0].id
     ret = cluster.salt(cluster.primary, "state.show_sls", "salt.multimaster",

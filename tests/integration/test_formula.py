@@ -12,7 +12,9 @@ Cluster ``frr`` (pip install path): ``salt.multimaster.master`` installs the
 salt/key reactor on the primary; ``salt-key -a`` on the primary alone makes a
 new minion answer through the peer.
 
-The tests of a module run in order and build on each other.
+No test leans on another: each asks for the state it starts from
+(``unconfigured``, ``configured``, ``stale_key`` for ``frm``; ``reactor``
+for ``frr``).
 """
 
 import json
@@ -134,7 +136,81 @@ def _minion_paths(minion):
     return conf_dir / "minion.d" / "multimaster.conf", pki / "minion_master.pub"
 
 
-def test_stale_setup(frm):
+@pytest.fixture(scope="module")
+def frm_synced(frm):
+    """
+    Modules synced and pillar compiled while the cached master key is still
+    right (once); the returns.
+    """
+    minion = frm.minions[0]
+    ret = {"sync_all": frm.salt(frm.primary, "saltutil.sync_all", minion_tgt=minion.id,
+                                timeout=240)}
+    ret["refresh_pillar"] = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True",
+                                     minion_tgt=minion.id, timeout=240)
+    return ret
+
+
+def _right_key(frm):
+    """Cache the primary's master.pub on the minion (what master_key_apply writes)."""
+    _minion_paths(frm.minions[0])[1].write_text(cluster_master_pub(frm)[1])
+
+
+def _reset(frm, key=None):
+    """
+    The minion as before the formula: no drop-in on disk, no restart marker,
+    ``key`` (default: the right one) as its cached master key.
+    """
+    dropin, cached = _minion_paths(frm.minions[0])
+    dropin.unlink(missing_ok=True)
+    frm.marker.unlink(missing_ok=True)
+    if key is None:
+        _right_key(frm)
+    else:
+        cached.write_bytes(key)
+
+
+@pytest.fixture
+def stale_key(frm, frm_synced):  # pylint: disable=unused-argument
+    """
+    A stale minion_master.pub (as after a restore from an old image) on the
+    unconfigured minion; the right key back afterwards.
+    """
+    stale = _new_pub()
+    _reset(frm, key=stale)
+    yield stale.decode()
+    _right_key(frm)
+
+
+@pytest.fixture
+def unconfigured(frm, frm_synced):  # pylint: disable=unused-argument
+    """The minion as before the formula, its master key right."""
+    _reset(frm)
+    return frm
+
+
+@pytest.fixture
+def configured(frm, frm_synced):  # pylint: disable=unused-argument
+    """
+    The minion's configuration as the formula writes it, on disk (the
+    running minion is restarted by the test that needs it): applied now if
+    missing, the background restart command waited for and its marker
+    removed.
+    """
+    dropin, _ = _minion_paths(frm.minions[0])
+    _right_key(frm)
+    if not dropin.exists():
+        frm.marker.unlink(missing_ok=True)
+        ret = frm.salt(frm.primary, "state.apply", "salt.multimaster",
+                       minion_tgt=frm.minions[0].id, timeout=180)
+        ok, data = _all_ok(ret)
+        assert ok, data
+        assert wait_until(lambda: frm.marker.exists() and frm.marker.read_text().strip())
+    frm.marker.unlink(missing_ok=True)
+    return frm
+
+
+@pytest.mark.usefixtures("stale_key")
+def test_stale_setup(frm, frm_synced):
     """
     The starting point: modules synced and pillar compiled while the cached
     master key is still right, then a stale minion_master.pub (as after a
@@ -142,19 +218,15 @@ def test_stale_setup(frm):
     refresh, restart): the state must fix it while the minion's session lives.
     """
     minion = frm.minions[0]
-    dropin, cached = _minion_paths(minion)
-    ret = frm.salt(frm.primary, "saltutil.sync_all", minion_tgt=minion.id, timeout=240)
+    dropin, _ = _minion_paths(minion)
+    ret = frm_synced["sync_all"]
     assert ret.returncode == 0, ret
     assert "states.multimaster" in ret.data["states"], ret.data
-    ret = frm.salt(frm.primary, "saltutil.refresh_pillar", "wait=True", minion_tgt=minion.id,
-                   timeout=240)
+    ret = frm_synced["refresh_pillar"]
     assert ret.returncode == 0, ret
     ret = frm.salt(frm.primary, "pillar.get", "multimaster:minion", *PILLAR_UNMASK,
                    minion_tgt=minion.id)
     assert ret.data == {"master_alive_interval": 10}, ret
-    stale = _new_pub()
-    cached.write_bytes(stale)
-    frm.stale_key = stale.decode()
     assert not dropin.exists()
     ret = frm.salt(frm.primary, "multimaster.audit", minion_tgt=minion.id)
     checks = {f["check"] for f in ret.data["findings"] if f["severity"] != "info"}
@@ -162,7 +234,7 @@ def test_stale_setup(frm):
     assert ret.data["result"] is False
 
 
-def test_stale_key_repaired_by_a_plain_job(frm):
+def test_stale_key_repaired_by_a_plain_job(frm, stale_key):
     """
     ``state.apply`` cannot run on this minion now: Salt 3008 verifies every
     freshly compiled pillar with the cached master key.  A plain job runs on
@@ -177,11 +249,12 @@ def test_stale_key_repaired_by_a_plain_job(frm):
     ret = frm.salt(frm.primary, "multimaster.master_key_apply", minion_tgt=minion.id)
     assert ret.returncode == 0, ret
     assert ret.data["written"] is True, ret.data
-    assert open(ret.data["backup"], encoding="utf-8").read() == frm.stale_key
+    assert open(ret.data["backup"], encoding="utf-8").read() == stale_key
     _, master_pub = cluster_master_pub(frm)
     assert cached.read_text().strip() == master_pub.strip()
 
 
+@pytest.mark.usefixtures("frm_synced")
 def test_master_key_state_replaces_stale_signing_key(frm, mm_root):
     """The master_key state on a real minion: a stale master_sign.pub from salt://."""
     minion = frm.minions[0]
@@ -209,7 +282,8 @@ def test_master_key_state_replaces_stale_signing_key(frm, mm_root):
     (pki / "master_sign.pub").unlink()
 
 
-def test_apply_test_mode_changes_nothing(frm):
+def test_apply_test_mode_changes_nothing(unconfigured):
+    frm = unconfigured
     minion = frm.minions[0]
     dropin, _ = _minion_paths(minion)
     ret = frm.salt(frm.primary, "state.apply", "salt.multimaster", "test=True",
@@ -230,7 +304,8 @@ def test_apply_test_mode_changes_nothing(frm):
     assert not frm.marker.exists()
 
 
-def test_apply_converges_and_restarts_in_background(frm):
+def test_apply_converges_and_restarts_in_background(unconfigured):
+    frm = unconfigured
     minion = frm.minions[0]
     dropin, _ = _minion_paths(minion)
     ret = frm.salt(frm.primary, "state.apply", "salt.multimaster",
@@ -257,7 +332,8 @@ def test_apply_converges_and_restarts_in_background(frm):
     assert float(frm.marker.read_text()) >= returned - 1
 
 
-def test_after_restart_answers_from_both_masters_and_audit_clean(frm):
+def test_after_restart_answers_from_both_masters_and_audit_clean(configured):
+    frm = configured
     minion = frm.minions[0]
     frm.restart(minion)
     assert frm.wait_ping(frm.primary, minion.id)
@@ -271,9 +347,9 @@ def test_after_restart_answers_from_both_masters_and_audit_clean(frm):
     assert [f for f in ret.data["findings"] if f["severity"] != "info"] == [], ret.data
 
 
-def test_second_apply_and_highstate_change_nothing(frm):
+def test_second_apply_and_highstate_change_nothing(configured):
+    frm = configured
     minion = frm.minions[0]
-    frm.marker.unlink()
     ret = frm.salt(frm.primary, "state.apply", "salt.multimaster",
                    minion_tgt=minion.id, timeout=180)
     ok, data = _all_ok(ret)
@@ -287,7 +363,8 @@ def test_second_apply_and_highstate_change_nothing(frm):
     assert not frm.marker.exists()
 
 
-def test_invalid_pillar_fails_and_writes_nothing(frm):
+def test_invalid_pillar_fails_and_writes_nothing(configured):
+    frm = configured
     minion = frm.minions[0]
     dropin, _ = _minion_paths(minion)
     before = dropin.read_text()
@@ -361,17 +438,43 @@ def _master_sls_pillar(cluster):
     }}})
 
 
-def test_master_sls_installs_reactor(frr):
+@pytest.fixture(scope="module")
+def reactor(frr):
+    """
+    ``salt.multimaster.master`` applied on the primary once (``test=True``,
+    the run, a second run, a ``test=True`` with a periodic sync), the primary
+    restarted to load the reactor; what each step returned or left.
+    """
     minion = frr.minions[0]
     pillar = _master_sls_pillar(frr)
-    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master", "test=True",
-                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
-    data = _state_returns(ret)
-    assert all(v["result"] is None for v in data.values()), data
     dropin = pathlib.Path(frr.primary.config_file).parent / "master.d" / "multimaster-reactor.conf"
-    assert not dropin.exists()
-    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
-                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    run = {"dropin": dropin}
+    run["test"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master", "test=True",
+                           f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    run["dropin_after_test"] = dropin.exists()
+    run["apply"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                            f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    run["dropin_after_apply"] = dropin.read_text() if dropin.exists() else None
+    run["again"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                            f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    # the optional periodic full sync, predicted only
+    scheduled = json.loads(pillar)
+    scheduled["multimaster"]["master"]["sync_interval"] = 15
+    run["scheduled"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                                "test=True", f"pillar={json.dumps(scheduled)}",
+                                minion_tgt=minion.id, timeout=180)
+    # load the reactor (the formula's restart command is a no-op here)
+    frr.restart(frr.primary)
+    run["answering"] = {m.id: frr.wait_ping(frr.primary, m.id) for m in frr.all_minions}
+    return run
+
+
+def test_master_sls_installs_reactor(frr, reactor):
+    dropin = reactor["dropin"]
+    data = _state_returns(reactor["test"])
+    assert all(v["result"] is None for v in data.values()), data
+    assert reactor["dropin_after_test"] is False
+    ret = reactor["apply"]
     ok, data = _all_ok(ret)
     assert ok, data
     assert set(_changes(ret)) == {
@@ -380,26 +483,18 @@ def test_master_sls_installs_reactor(frr):
         "restart_scheduled",
     }, data
     # the reactor, and the pull channel for the configured peers (that id only)
-    assert salt.utils.yaml.safe_load(dropin.read_text()) == {
+    assert salt.utils.yaml.safe_load(reactor["dropin_after_apply"]) == {
         "reactor": [{"salt/key": ["salt://salt/multimaster/reactor/key.sls"]}],
         "peer_run": {r"frr\-peer1$": ["multimaster.pull"]},
     }
-    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
-                   f"pillar={pillar}", minion_tgt=minion.id, timeout=180)
+    ret = reactor["again"]
     ok, data = _all_ok(ret)
     assert ok and _changes(ret) == {}, data
     # the optional periodic full sync, predicted only
-    scheduled = json.loads(pillar)
-    scheduled["multimaster"]["master"]["sync_interval"] = 15
-    ret = frr.salt(frr.primary, "state.apply", "salt.multimaster.master", "test=True",
-                   f"pillar={json.dumps(scheduled)}", minion_tgt=minion.id, timeout=180)
-    data = _state_returns(ret)
+    data = _state_returns(reactor["scheduled"])
     diff = str(data["file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin)])
     assert "multimaster-sync" in diff and "function: multimaster.sync" in diff, data
-    # load the reactor (the formula's restart command is a no-op here)
-    frr.restart(frr.primary)
-    for m in frr.all_minions:
-        assert frr.wait_ping(frr.primary, m.id)
+    assert all(reactor["answering"].values()), reactor["answering"]
     ret = frr.salt_run(frr.primary, "multimaster.status")
     assert ret.data[frr.peer_minions[0].id]["pull_allowed"] is True, ret.data
 
@@ -421,6 +516,7 @@ def _job_args(load):
     return ret
 
 
+@pytest.mark.usefixtures("reactor")
 def test_accept_on_primary_alone_reaches_the_peer(frr):
     new = _new_minion(frr, "frr-new1")
     try:
@@ -447,6 +543,7 @@ def test_accept_on_primary_alone_reaches_the_peer(frr):
         new.terminate()
 
 
+@pytest.mark.usefixtures("reactor")
 def test_key_burst_is_coalesced(frr):
     ids = [f"frr-burst{i}" for i in range(3)]
     minions = [_new_minion(frr, mid) for mid in ids]
@@ -476,13 +573,29 @@ def test_key_burst_is_coalesced(frr):
            "key_event cannot tell it runs its own job and leaves the record to "
            "Salt (which lists every key to save it): slower, still correct",
 )
+@pytest.mark.usefixtures("reactor")
 def test_key_event_jobs_saved_their_own_records(frr):
-    """The burst's key_event jobs (test above) each saved their own record."""
+    """Each key_event job of a few accepted keys saved its own record."""
+    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
+
+    pre = frr.pki_dir(frr.primary) / "minions_pre"
+    ids = [f"frr-rec{i}" for i in range(3)]
+    for mid in ids:
+        (pre / mid).write_bytes(gen_keypair(1024)[1])
+    before = {jid for jid, _, _ in frr.job_records(
+        frr.primary, "runner.multimaster_reactor.key_event")}
+    ret = frr.salt_key(frr.primary, "-A", "-y")
+    assert ret.returncode == 0, ret
+    assert wait_until(lambda: set(ids) <= set(frr.keys(frr.peers[0])["minions"])), _diag(frr)
     # each key_event job saved its own record (Salt's would list every
     # key for each event, and carry the return); the syncs it ran under
     # its jid left that record alone
-    events = frr.job_records(frr.primary, "runner.multimaster_reactor.key_event")
-    assert len(events) >= 3, events
+    def new_events():
+        return [rec for rec in frr.job_records(frr.primary, "runner.multimaster_reactor.key_event")
+                if rec[0] not in before]
+
+    assert wait_until(lambda: len(new_events()) >= 3), new_events()
+    events = new_events()
     for _jid, load, minions in events:
         assert "return" not in load and load["tgt"] == frr.primary.config["id"], load
         assert minions == []
@@ -490,6 +603,7 @@ def test_key_event_jobs_saved_their_own_records(frr):
         jid for jid, _, _ in frr.job_records(frr.primary, "runner.multimaster.sync")}
 
 
+@pytest.mark.usefixtures("reactor")
 def test_large_key_burst_costs_two_syncs(frr):
     """salt-key -A of many pending keys: the first event syncs, one more covers the rest."""
     from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel

@@ -68,3 +68,6 @@ def test_minion_still_answers_through_peer_when_primary_stops(cluster):
         assert cluster.wait_ping(cluster.peers[0], minion, deadline=60)
     finally:
         cluster.primary.start()
+    # as the next test finds it: every minion answering the primary again
+    for daemon in cluster.all_minions:
+        assert cluster.wait_ping(cluster.primary, daemon.id)

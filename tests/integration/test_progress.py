@@ -39,7 +39,9 @@ def _write_files(cluster, tag):
 def test_default_output_shows_progress_then_the_summary(cluster):
     peer = cluster.peer_minions[0].id
     _write_files(cluster, "one")
-    ret = _salt_run(cluster, "multimaster.sync", "only=file_roots")
+    # rescan=True: the primary asks the peer for its inventory, whatever an
+    # earlier sync left it knowing of the peer
+    ret = _salt_run(cluster, "multimaster.sync", "only=file_roots", "rescan=True")
     assert ret.returncode == 0, ret.stdout + ret.stderr
     lines = ret.stdout.splitlines()
     assert "multimaster: reading the primary's state for file_roots" in lines, ret.stdout
@@ -58,6 +60,10 @@ def test_default_output_shows_progress_then_the_summary(cluster):
 
 def test_json_output_is_the_data_alone(cluster):
     peer = cluster.peer_minions[0].id
+    # the files on the peer first, so that the sync below updates every one
+    _write_files(cluster, "json-base")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret
     _write_files(cluster, "two")
     ret = _salt_run(cluster, "multimaster.sync", "only=file_roots", "--out=json")
     assert ret.returncode == 0, ret.stdout + ret.stderr

@@ -2,8 +2,11 @@
 ``salt-run multimaster.sync`` against real daemons: a primary, two fresh peers
 with their own generated master keys, a minion accepted on the primary only.
 
-The tests of this module run in order and build on each other, like an
-operator's session.
+Fixture ``first_run`` is an operator's first session on the fresh cluster
+(plant, status, ``test=True``, sync, status, restart the peers), done once
+whichever test asks first; the first tests check what it recorded.  Every
+later test starts from ``synced``: the planted content restored on the
+primary and the peers mirroring it, confirmed by a sync.
 """
 
 import hashlib
@@ -77,11 +80,19 @@ def _snapshot(master):
 
 
 def _plant(cluster):
-    """Keys in every state, files in every saltenv, ignored files, symlinks."""
+    """
+    Keys in every state, files in every saltenv, ignored files, symlinks: on
+    the fresh primary, and again before each test (what a test removed or
+    moved is put back, what is there stays).
+    """
     pki = cluster.pki_dir(cluster.primary)
     for state, mid in (("minions_pre", "pend1"), ("minions_rejected", "rej1"),
                        ("minions_denied", "den1"), ("minions", "acc1"), ("minions_pre", "mover")):
         (pki / state).mkdir(exist_ok=True)
+        if (pki / state / mid).exists():
+            continue
+        for other in pki.glob(f"minions*/{mid}"):
+            other.unlink()
         (pki / state / mid).write_bytes(gen_keypair(1024)[1])
     base = cluster.file_root(cluster.primary)
     (base / "web").mkdir(exist_ok=True)
@@ -91,10 +102,12 @@ def _plant(cluster):
     (base / ".git").mkdir(exist_ok=True)
     (base / ".git" / "config").write_text("[core]\n")
     (base / "web" / ".init.sls.swp").write_text("swap")
-    os.symlink("web/init.sls", base / "link.sls")
+    if not (base / "link.sls").is_symlink():
+        os.symlink("web/init.sls", base / "link.sls")
     outside = cluster.pki_dir(cluster.primary).parent / "outside.txt"
     outside.write_text("secret outside the root")
-    os.symlink(str(outside), base / "escape.txt")
+    if not (base / "escape.txt").is_symlink():
+        os.symlink(str(outside), base / "escape.txt")
     prod = cluster.file_root(cluster.primary, "prod")
     (prod / "prod.sls").write_text("prod: {}\n")
     pillar = cluster.file_root(cluster.primary, kind="pillar_roots")
@@ -102,33 +115,101 @@ def _plant(cluster):
     (pillar / "data.sls").write_text("secret_value: s3cr3t-pillar\n")
 
 
-def test_status_reports_drift_and_changes_nothing(cluster):
+def _after_sync(cluster, peer, pm):
+    """What the checks of the first sync read on ``peer``, read right after it."""
+    base = cluster.file_root(peer)
+    init = (base / "web" / "init.sls").resolve()
+    cache = pathlib.Path(pm.config["cachedir"]) / "multimaster" / "hashcache-roots.json"
+    dropin = pathlib.Path(peer.config_file).parent / "master.d" / "multimaster-sync.conf"
+    return {
+        "keys": cluster.keys(peer),
+        "master_keys": [(p.read_bytes(), stat.S_IMODE(p.stat().st_mode))
+                        for p in master_key_paths(peer.config["pki_dir"])],
+        "pki_mode": stat.S_IMODE(os.stat(peer.config["pki_dir"]).st_mode),
+        "paths": sorted(str(p.relative_to(base)) for p in base.rglob("*")),
+        "files": {str(p.relative_to(base)): (stat.S_IMODE(p.stat().st_mode), p.read_text())
+                  for p in base.rglob("*") if p.is_file()},
+        "prod": sorted(p.name for p in cluster.file_root(peer, "prod").iterdir()),
+        "pillar_data": (cluster.file_root(peer, kind="pillar_roots") / "data.sls").read_text(),
+        "dropin": dropin.read_text(),
+        "hashcache": json.loads(cache.read_text()),
+        "init": (str(init), init.stat(), hashlib.sha256(init.read_bytes()).hexdigest()),
+    }
+
+
+@pytest.fixture(scope="module")
+def first_run(cluster):
+    """
+    The operator's first session on the fresh cluster, once: plant, status,
+    ``test=True``, the sync (what it wrote on each peer read right after),
+    status, restart the peers.  Returns what each step returned.
+    """
+    run = {}
     _plant(cluster)
-    before = [_snapshot(p) for p in cluster.peers]
-    ret = cluster.salt_run(cluster.primary, "multimaster.status")
+    run["before"] = [_snapshot(p) for p in cluster.peers]
+    run["status"] = cluster.salt_run(cluster.primary, "multimaster.status")
+    run["fingers"] = {m.id: cluster.master_fingerprint(m) for m in cluster.masters}
+    run["after_status"] = [_snapshot(p) for p in cluster.peers]
+    run["test"] = cluster.salt_run(cluster.primary, "multimaster.sync", "test=True")
+    run["after_test"] = [_snapshot(p) for p in cluster.peers]
+    run["sync"] = cluster.salt_run(cluster.primary, "multimaster.sync")
+    run["primary_keys"] = cluster.keys(cluster.primary)
+    run["primary_master_keys"] = [
+        p.read_bytes() for p in master_key_paths(cluster.primary.config["pki_dir"])]
+    run["peers"] = {pm.id: _after_sync(cluster, peer, pm)
+                    for peer, pm in zip(cluster.peers, cluster.peer_minions)}
+    run["published"] = {fun: _published(cluster, cluster.primary, fun)
+                        for fun in ("multimaster_peer.apply", "multimaster_peer.inventory")}
+    run["sealed_in_job_cache"] = [p for p in cluster.job_cache(cluster.primary).rglob("*")
+                                  if p.is_file() and b"mmseal1b" in p.read_bytes()]
+    run["pull_dir"] = list(
+        (pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster" / "pull").iterdir())
+    # the peers' masters run their old keys until restarted: status says so
+    run["status_synced"] = cluster.salt_run(cluster.primary, "multimaster.status")
+    for peer in cluster.peers:
+        cluster.restart(peer)
+    return run
+
+
+@pytest.fixture
+def synced(cluster, first_run):  # pylint: disable=unused-argument
+    """
+    The known state a test starts from: the planted content back on the
+    primary (a test removes or moves some of it), and every peer mirroring
+    the primary, confirmed by a sync (``force=True``: a failed test may
+    have left a conflict behind).
+    """
+    _plant(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "force=True")
+    assert ret.returncode == 0, ret
+    for peer in cluster.peers:
+        assert cluster.keys(peer) == cluster.keys(cluster.primary)
+    return cluster
+
+
+def test_status_reports_drift_and_changes_nothing(cluster, first_run):
+    ret = first_run["status"]
     assert ret.returncode == 0, ret
     for pm in cluster.peer_minions:
         res = ret.data[pm.id]
         assert res["reachable"] is True
         assert res["in_sync"] is False
         finger = res["master_finger"]
-        # the one master fingerprint: what salt-key -F master prints on each
-        assert finger["primary"] == cluster.master_fingerprint(cluster.primary)
-        peer = next(p for p in cluster.peers if p.id == pm.id)  # same id
-        assert finger["peer"] == cluster.master_fingerprint(peer)
+        # the one master fingerprint: what salt-key -F master printed on each
+        assert finger["primary"] == first_run["fingers"][cluster.primary.id]
+        assert finger["peer"] == first_run["fingers"][pm.id]  # the peer master's id
         assert finger["peer"] != finger["primary"]
         assert res["minion_keys"]["primary"]["minions_pre"] == 2
         assert res["minion_keys"]["peer"]["minions"] == 0
         assert res["drift"]["file_roots"]["added"] == 4
         assert res["drift"]["master_keys"]["updated"] == 2
-    assert [_snapshot(p) for p in cluster.peers] == before
+    assert first_run["after_status"] == first_run["before"]
 
 
-def test_test_mode_changes_nothing_and_reports_the_plan(cluster):
-    before = [_snapshot(p) for p in cluster.peers]
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "test=True")
+def test_test_mode_changes_nothing_and_reports_the_plan(cluster, first_run):
+    ret = first_run["test"]
     assert ret.returncode == 0, ret
-    assert [_snapshot(p) for p in cluster.peers] == before
+    assert first_run["after_test"] == first_run["after_status"]
     for pm in cluster.peer_minions:
         res = ret.data[pm.id]
         assert res["result"] is True, res
@@ -140,19 +221,18 @@ def test_test_mode_changes_nothing_and_reports_the_plan(cluster):
         assert "prod:prod.sls" in res["file_roots"]["added"]
         assert "base:data.sls" in res["pillar_roots"]["added"]
         assert "nodegroups" in res["master_config"]["added"] + res["master_config"]["updated"]
-    pytest.test_plan = ret.data
 
 
-def test_sync_replicates_everything(cluster):
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+def test_sync_replicates_everything(cluster, first_run):
+    ret = first_run["sync"]
     # no service manager here: the peers' masters still run their old keys,
     # so no peer is a replica in service yet, and a cron job must notice
     assert ret.returncode != 0, ret.stdout
-    plan = pytest.test_plan
-    primary_keys = cluster.keys(cluster.primary)
-    priv, pub = master_key_paths(cluster.primary.config["pki_dir"])
-    for peer, pm in zip(cluster.peers, cluster.peer_minions):
+    plan = first_run["test"].data
+    primary_keys = first_run["primary_keys"]
+    for pm in cluster.peer_minions:
         res = ret.data[pm.id]
+        peer = first_run["peers"][pm.id]
         assert res["result"] is False, res
         assert res["restart"] == "restart_required" and "restart_required" not in res
         assert res["error"] == (
@@ -163,46 +243,37 @@ def test_sync_replicates_everything(cluster):
             for kind in ("added", "updated", "removed"):
                 assert sorted(res[cat][kind]) == sorted(plan[pm.id][cat][kind]), (cat, kind)
         assert "warnings" not in res  # bulk was pulled through peer_run, not published
-        assert cluster.keys(peer) == primary_keys
-        ppriv, ppub = master_key_paths(peer.config["pki_dir"])
-        assert ppriv.read_bytes() == priv.read_bytes()
-        assert ppub.read_bytes() == pub.read_bytes()
-        assert stat.S_IMODE(ppriv.stat().st_mode) == 0o400
-        assert stat.S_IMODE(os.stat(peer.config["pki_dir"]).st_mode) == 0o700
-        base = cluster.file_root(peer)
-        assert (base / "web" / "init.sls").read_text().startswith("web:")
-        assert stat.S_IMODE((base / "run.sh").stat().st_mode) == 0o750
-        assert (base / "link.sls").read_text() == (base / "web" / "init.sls").read_text()
-        assert not (base / ".git").exists()
-        assert not (base / "web" / ".init.sls.swp").exists()
-        assert not (base / "escape.txt").exists()
+        assert peer["keys"] == primary_keys
+        assert [key for key, _ in peer["master_keys"]] == first_run["primary_master_keys"]
+        assert peer["master_keys"][0][1] == 0o400
+        assert peer["pki_mode"] == 0o700
+        files = peer["files"]
+        assert files["web/init.sls"][1].startswith("web:")
+        assert files["run.sh"][0] == 0o750
+        assert files["link.sls"][1] == files["web/init.sls"][1]
+        assert not any(p == ".git" or p.startswith(".git/") for p in peer["paths"])
+        assert "web/.init.sls.swp" not in peer["paths"]
+        assert "escape.txt" not in peer["paths"]
         assert any("escape.txt" in e for e in res["primary_errors"])
-        assert (cluster.file_root(peer, "prod") / "prod.sls").exists()
-        assert "s3cr3t-pillar" in (cluster.file_root(peer, kind="pillar_roots") / "data.sls").read_text()
-        dropin = pathlib.Path(peer.config_file).parent / "master.d" / "multimaster-sync.conf"
-        assert "webs" in dropin.read_text()
+        assert peer["prod"] == ["prod.sls"]
+        assert "s3cr3t-pillar" in peer["pillar_data"]
+        assert "webs" in peer["dropin"]
         # what was written is in the peer's hash cache: the next inventory
         # stats it and never reads it again
-        cache = json.loads((pathlib.Path(pm.config["cachedir"]) / "multimaster" /
-                            "hashcache-roots.json").read_text())
-        init = (base / "web" / "init.sls").resolve()
-        st = init.stat()
-        assert cache[str(init)] == [st.st_ino, st.st_size, st.st_mtime_ns,
-                                    hashlib.sha256(init.read_bytes()).hexdigest()]
+        init, st, digest = peer["init"]
+        assert peer["hashcache"][init] == [st.st_ino, st.st_size, st.st_mtime_ns, digest]
     # the publishes, which every minion receives, carry nothing but routing:
     # the arguments are sealed to each peer (the operations themselves came
     # with the first pulled chunk)
-    applies = _published(cluster, cluster.primary, "multimaster_peer.apply")
+    applies = first_run["published"]["multimaster_peer.apply"]
     assert len(applies) == len(cluster.peers)
-    for fun in ("multimaster_peer.apply", "multimaster_peer.inventory"):
-        for kwarg in _published(cluster, cluster.primary, fun):
+    for kwargs in first_run["published"].values():
+        for kwarg in kwargs:
             assert set(kwarg) == {"sealed", "__kwarg__"}, kwarg
             assert all(blob.startswith("mmseal1:") for blob in kwarg["sealed"].values())
     # and the sealed chunks the peers pulled left the job cache with the grant
-    stored = [p for p in cluster.job_cache(cluster.primary).rglob("*")
-              if p.is_file() and b"mmseal1b" in p.read_bytes()]
-    assert stored == []
-    assert not any((pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster" / "pull").iterdir())
+    assert first_run["sealed_in_job_cache"] == []
+    assert first_run["pull_dir"] == []
 
 
 def test_job_records_name_their_one_target(cluster):
@@ -250,16 +321,15 @@ def _published(cluster, master, fun):
     return ret
 
 
-def test_peer_serves_minion_after_restart(cluster):
+def test_peer_serves_minion_after_restart(cluster, first_run):
     minion = cluster.minions[0].id
-    # the peers' masters run their old keys until restarted: status says so
-    ret = cluster.salt_run(cluster.primary, "multimaster.status")
+    # the peers' masters ran their old keys until restarted: status said so
+    ret = first_run["status_synced"]
     assert ret.returncode == 0, ret.stdout
     for pm in cluster.peer_minions:
         assert ret.data[pm.id]["restart_pending"] is True, ret.data[pm.id]
         assert ret.data[pm.id]["in_sync"] is False
-    for peer in cluster.peers:
-        cluster.restart(peer)
+    # first_run restarted them
     for peer in cluster.peers:
         assert cluster.master_fingerprint(peer) == cluster.master_fingerprint(cluster.primary)
         assert cluster.wait_ping(peer, minion, deadline=120), peer.id
@@ -268,6 +338,7 @@ def test_peer_serves_minion_after_restart(cluster):
     assert ret.returncode == 0 and ret.data == {minion: True}, ret
 
 
+@pytest.mark.usefixtures("synced")
 def test_sync_run_on_a_peer_says_where_to_run_it(cluster):
     ret = cluster.salt_run(cluster.peers[0], "multimaster.sync")
     assert ret.returncode != 0
@@ -275,6 +346,7 @@ def test_sync_run_on_a_peer_says_where_to_run_it(cluster):
     assert ret.data["error"].endswith("run salt-run multimaster.sync on the primary")
 
 
+@pytest.mark.usefixtures("synced")
 def test_noop_sync_changes_nothing(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.status")
     for pm in cluster.peer_minions:
@@ -311,6 +383,7 @@ def _new_jobs(cluster, before):
     return {fun: len(jobs - before[fun]) for fun, jobs in _peer_jobs(cluster).items()}
 
 
+@pytest.mark.usefixtures("synced")
 def test_a_change_sync_is_one_publish_per_peer(cluster):
     """
     #17 item 7: the primary remembers what each peer was last confirmed to
@@ -363,6 +436,7 @@ def test_a_change_sync_is_one_publish_per_peer(cluster):
     assert new == {"multimaster_peer.inventory": 2, "multimaster_peer.apply": 0}, new
 
 
+@pytest.mark.usefixtures("synced")
 def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
     pki = cluster.pki_dir(cluster.primary)
     (pki / "minions_rejected" / "rej1").unlink()
@@ -383,6 +457,7 @@ def test_delete_and_move_on_primary_reach_peers_with_backup(cluster):
         assert ret_key.data == cluster.salt_key(cluster.primary, "-L").data
 
 
+@pytest.mark.usefixtures("synced")
 def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     """
     The primary plans a bucket from its previous state only when that state
@@ -391,7 +466,7 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     removed key and file on the peers.
     """
     pki, base = cluster.pki_dir(cluster.primary), cluster.file_root(cluster.primary)
-    (pki / "minions" / "doomed").write_bytes((pki / "minions" / "mover").read_bytes())
+    (pki / "minions" / "doomed").write_bytes(gen_keypair(1024)[1])
     (base / "doomed.sls").write_text("doomed: true\n")
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
     assert ret.returncode == 0, ret
@@ -412,6 +487,7 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
         assert not (cluster.file_root(peer) / "doomed.sls").exists()
 
 
+@pytest.mark.usefixtures("synced")
 def test_rescan_finds_a_key_rewritten_in_place(cluster):
     """
     A key dir unchanged since the last sync is taken from the saved snapshot
@@ -448,6 +524,7 @@ def test_rescan_finds_a_key_rewritten_in_place(cluster):
         assert (cluster.pki_dir(peer) / "minions" / "inplace").read_bytes() == key.read_bytes()
 
 
+@pytest.mark.usefixtures("synced")
 def test_conflicts_are_reported_and_forced(cluster):
     peer, pm = cluster.peers[0], cluster.peer_minions[0]
     ppki = cluster.pki_dir(peer)
@@ -467,6 +544,7 @@ def test_conflicts_are_reported_and_forced(cluster):
     assert cluster.keys(peer) == cluster.keys(cluster.primary)
 
 
+@pytest.mark.usefixtures("synced")
 def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
     """
     minion_ids (what the salt/key reactor passes): same plan, and after a
@@ -580,6 +658,7 @@ def test_bad_input_names_it(cluster):
     (pki / "minions" / "junk").unlink()
 
 
+@pytest.mark.usefixtures("synced")
 def test_unreachable_peer_fails_alone(cluster):
     down = cluster.peer_minions[1]
     up = cluster.peer_minions[0]
@@ -612,6 +691,7 @@ def test_unreachable_peer_fails_alone(cluster):
     assert (cluster.pki_dir(cluster.peers[1]) / "minions" / "late1").exists()
 
 
+@pytest.mark.usefixtures("synced")
 def test_no_private_key_material_outside_pki_dirs(cluster):
     """Grep every cachedir, log and config of every daemon for the key bytes."""
     priv, _ = master_key_paths(cluster.primary.config["pki_dir"])
@@ -635,6 +715,7 @@ def test_no_private_key_material_outside_pki_dirs(cluster):
     assert hits == []
 
 
+@pytest.mark.usefixtures("synced")
 def test_restore_rolls_a_peer_back_and_backups_are_pruned(cluster):
     peer, pm = cluster.peers[0], cluster.peer_minions[0]
     base, pbase = cluster.file_root(cluster.primary), cluster.file_root(peer)

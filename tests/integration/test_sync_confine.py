@@ -3,11 +3,13 @@ What a sync may write on a peer, against real daemons: only inside the roots
 the peer is configured with, and never a setuid, setgid, sticky or
 world-writable file.
 
-The peer's ``file_roots:base`` has two roots; the tests run in order.
+The peer's ``file_roots:base`` has two roots; each test removes the
+faults it planted.
 """
 
 import os
 import pathlib
+import shutil
 import stat
 
 import pytest
@@ -100,18 +102,23 @@ def test_a_symlinked_dir_in_a_second_root_is_never_written_through(cluster):
     (elsewhere / "y.sls").write_text("not the sync's to touch\n")
     os.symlink(str(elsewhere), root2 / "alt")
     peer_id = cluster.peer_minions[0].id
-
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
-    assert ret.returncode != 0, ret.stdout
-    res = ret.data[peer_id]
-    assert res["result"] is False
-    rep = res["file_roots"]
-    assert [e for e in rep["errors"] if e.startswith("base:alt/y.sls: ")
-            and "outside" in e and str(root2) in e], rep["errors"]
-    assert "base:alt/y.sls" not in rep["added"] + rep["updated"]
-    assert rep["added"] == ["base:fine.sls"]
-    # nothing written outside the roots, nor in the first root instead
-    assert (elsewhere / "y.sls").read_text() == "not the sync's to touch\n"
-    assert sorted(os.listdir(elsewhere)) == ["y.sls"]
-    assert not (root1 / "alt").exists()
-    assert (root1 / "fine.sls").read_text() == "fine: {}\n"
+    try:
+        ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+        assert ret.returncode != 0, ret.stdout
+        res = ret.data[peer_id]
+        assert res["result"] is False
+        rep = res["file_roots"]
+        assert [e for e in rep["errors"] if e.startswith("base:alt/y.sls: ")
+                and "outside" in e and str(root2) in e], rep["errors"]
+        assert "base:alt/y.sls" not in rep["added"] + rep["updated"]
+        assert rep["added"] == ["base:fine.sls"]
+        # nothing written outside the roots, nor in the first root instead
+        assert (elsewhere / "y.sls").read_text() == "not the sync's to touch\n"
+        assert sorted(os.listdir(elsewhere)) == ["y.sls"]
+        assert not (root1 / "alt").exists()
+        assert (root1 / "fine.sls").read_text() == "fine: {}\n"
+    finally:
+        # the faults go: the next test's syncs must not meet them
+        (root2 / "alt").unlink()
+        shutil.rmtree(base / "alt")
+        shutil.rmtree(elsewhere)
