@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,3 +72,28 @@ def test_json_output_is_the_data_alone(cluster):
     assert data[peer]["result"] is True
     assert len(data[peer]["file_roots"]["updated"]) == FILES
     assert "multimaster:" not in ret.stdout
+
+
+def test_each_step_is_an_event_on_the_primary_bus(cluster, event_listener):
+    """
+    Whatever the output, each step of a sync is an event on the primary's
+    bus (``salt/multimaster/sync/progress``, for a reactor or a dashboard):
+    the lines the terminal shows, with the phase, the peer and the count.
+    """
+    peer = cluster.peer_minions[0].id
+    _write_files(cluster, "events-base")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret
+    _write_files(cluster, "events")
+    start = time.time()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
+    assert ret.returncode == 0, ret
+    events = sorted(event_listener.get_events(
+        [(cluster.primary.id, "salt/multimaster/sync/progress")], after_time=start),
+        key=lambda e: e.stamp)
+    messages = [e.data["message"] for e in events]
+    assert messages[0] == "multimaster: reading the primary's state for file_roots", messages
+    assert messages[-1] == f"multimaster: {peer}: ok", messages
+    (apply,) = [e.data for e in events if e.data.get("phase") == "apply"
+                and e.data["message"].startswith(f"multimaster: {peer}: applying {FILES} ")]
+    assert (apply["peer"], apply["done"], apply["total"]) == (peer, 0, FILES), apply
