@@ -88,10 +88,17 @@ def test_each_step_is_an_event_on_the_primary_bus(cluster, event_listener):
     start = time.time()
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=file_roots")
     assert ret.returncode == 0, ret
-    events = sorted(event_listener.get_events(
-        [(cluster.primary.id, "salt/multimaster/sync/progress")], after_time=start),
-        key=lambda e: e.stamp)
-    messages = [e.data["message"] for e in events]
+    # the master's engine forwards its events to the test's listener a
+    # moment later: wait until the sync's last one is there
+    deadline = time.monotonic() + 30
+    while True:
+        events = sorted(event_listener.get_events(
+            [(cluster.primary.id, "salt/multimaster/sync/progress")], after_time=start),
+            key=lambda e: e.stamp)
+        messages = [e.data["message"] for e in events]
+        if f"multimaster: {peer}: ok" in messages or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert messages[0] == "multimaster: reading the primary's state for file_roots", messages
     assert messages[-1] == f"multimaster: {peer}: ok", messages
     (apply,) = [e.data for e in events if e.data.get("phase") == "apply"
