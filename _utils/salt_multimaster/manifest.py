@@ -343,13 +343,14 @@ def damaged_sources(errors):
     return ret
 
 
-def read_roots(opts, categories, state_dir, rescan=False):
+def read_roots(opts, categories, state_dir, rescan=False, later=None):
     """
     ``({category: roots_manifest}, {category: errors})`` of the
     ``file_roots``/``pillar_roots`` among ``categories``, through the roots
     hash cache in ``state_dir`` (entries of files no longer served dropped
     when both were read).  ``rescan``: hash every file again, whatever the
-    cache says (like ``rsync -c``).
+    cache says (like ``rsync -c``).  ``later``: a :class:`fsutil.Later`
+    the cache's save is put off to.
     """
     cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
     if not cats:
@@ -361,7 +362,7 @@ def read_roots(opts, categories, state_dir, rescan=False):
         errors[cat] = []
         mans[cat] = roots_manifest(opts.get(cat), Ignore.from_opts(opts), cache, seen=seen,
                                    errors=errors[cat])
-    cache.save(keep=seen if len(cats) == 2 else None)
+    fsutil.now_or_later(later, cache.save, keep=seen if len(cats) == 2 else None)
     return mans, errors
 
 
@@ -620,10 +621,11 @@ class KeysSnapshot:
 
     ``digest``, ``counts`` (keys per state dir) and ``errors`` are set at
     once; ``manifest`` and ``parts`` on first use.  ``reused``: no key dir
-    was listed; ``hashed``: keys read.
+    was listed; ``hashed``: keys read.  ``later``: a :class:`fsutil.Later`
+    the save of a new listing is put off to.
     """
 
-    def __init__(self, pki_dir, state_dir, rescan=False):
+    def __init__(self, pki_dir, state_dir, rescan=False, later=None):
         self.pki_dir = pki_dir
         self.state_dir = state_dir
         self.meta_path = os.path.join(state_dir, KEYS_SNAPSHOT)
@@ -632,6 +634,7 @@ class KeysSnapshot:
         self._manifest = None
         self._parts = None
         self._previous = None
+        self._later = later
         stamps = self._stamps()
         meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
@@ -739,6 +742,9 @@ class KeysSnapshot:
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
                                   "errors": errors, "damaged": damaged})
+        fsutil.now_or_later(self._later, self._save, entries)
+
+    def _save(self, entries):
         fsutil.makedirs(self.state_dir, mode=0o700)
         # a cache of the key dirs: checked against their stamps, the
         # manifest against the digests (``manifest``), listed again when unreadable

@@ -18,7 +18,7 @@ unit tests run the real peer over temp dirs.
 import concurrent.futures
 import logging
 
-from salt_multimaster import protocol
+from salt_multimaster import fsutil, protocol
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -50,12 +50,15 @@ class Rounds:
         self.salt = salt
         self.test = test
         self.force = force
+        # the primary's caches, saved once the first publish is out (the
+        # peers work meanwhile)
+        self.later = fsutil.Later()
 
     # ----- asking the peers ------------------------------------------------
     def read_primary(self, categories, saved=None):
         conf = self.conf
         return core.read_primary(self.opts, categories, conf["topology"],
-                                 conf["master_config_keys"], conf["rescan"], saved)
+                                 conf["master_config_keys"], conf["rescan"], saved, self.later)
 
     def ask(self, peers, categories, digests=None, ids=None):
         """
@@ -76,7 +79,9 @@ class Rounds:
                 "multimaster_peer.inventory", categories=categories, digests=digests,
                 topology=conf["topology"], config_keys=conf["master_config_keys"],
                 test=self.test, rescan=conf["rescan"] or None)
-        return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
+        job = self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
+        self.later.run()
+        return job
 
     def _inventory_wait(self, peers):
         """The ``on_wait`` of an inventory job: one progress line now and then."""
@@ -106,6 +111,7 @@ class Rounds:
         job = self._publish_inventory(peers, categories, digests)
         try:
             primary = self.read_primary(categories, saved)
+            self.later.run()
         finally:
             invs = job.replies(self._inventory_wait(peers))
         again = [peer for peer in peers
@@ -149,8 +155,9 @@ class Rounds:
                                    f"{seconds:.0f} s", peer=peer, phase="apply", total=total)
 
         try:
-            got = self.salt.publish([peer], "multimaster_peer.apply", kwarg,
-                                    wait).wait(still).get(peer)
+            job = self.salt.publish([peer], "multimaster_peer.apply", kwarg, wait)
+            self.later.run()
+            got = job.wait(still).get(peer)
         finally:
             if token:
                 core.revoke(opts, token, self.salt.jid_dir)
@@ -270,6 +277,12 @@ class Rounds:
         ``{peer: report}``, each peer in parallel.  ``ids``: a targeted key
         sync of these minion ids.
         """
+        try:
+            return self._run(peers, categories, ids)
+        finally:
+            self.later.run()  # what no publish came to run (a sync of no peer)
+
+    def _run(self, peers, categories, ids):
         opts, test = self.opts, self.test
         self.salt.progress(f"multimaster: reading the primary's state for "
                            f"{', '.join(categories)}")

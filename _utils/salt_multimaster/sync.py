@@ -68,16 +68,21 @@ def saved_state(opts, categories):
     return digests, saved
 
 
-def read_primary(opts, categories, topology, config_keys, rescan=False, saved=None):
+def read_primary(opts, categories, topology, config_keys, rescan=False, saved=None,
+                 later=None):
     """
     The primary's manifests, and the contents they describe, on demand.
     ``saved``: the roots manifests of the last read (:func:`saved_state`),
     kept as each category's ``previous`` and replaced by this read.
+    ``later``: a :class:`fsutil.Later` the saves of what was read (caches
+    and the saved manifests) are put off to, for the caller to run once it
+    has published.
     """
     cache_dir = layout.state_dir(opts)
     saved = saved or {}
     errors, state = [], {}
-    roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan)
+    roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
+                                              later=later)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -85,7 +90,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     for cat in categories:
         if cat == "minion_keys":
             # no per-key work while no key dir changed
-            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan)
+            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later)
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
@@ -101,7 +106,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
                           "envs": sorted(opts.get(cat) or {}),
                           "previous": (last.digest, last.parts) if last.digest else None,
                           "damaged": manifest.damaged_sources(roots_errors[cat])}
-            last.save(replicate.safe_tree(man), digest)
+            fsutil.now_or_later(later, _save_read, last, man, digest)
         elif cat == "master_keys":
             pem, pub = layout.master_key_files(opts, topology)
             state[cat] = {"files": {"pem": pem, "pub": pub},
@@ -112,6 +117,10 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     state["errors"] = [str(e) for e in errors]
     state["damaged"] = damaged_messages(state, categories)
     return state
+
+
+def _save_read(saved, man, digest):
+    saved.save(replicate.safe_tree(man), digest)
 
 
 def read_primary_keys(opts, ids):

@@ -525,3 +525,23 @@ def test_bucket_digests_stay_those_of_protocol_1():
         assert sum(len(e) for p in parts.values() for e in p.values()) == sum(
             len(e) for e in man.values())
     assert manifest.bucket_of("web1") == str(hashlib.sha1(b"web1").digest()[0] % 64)
+
+
+def test_later_runs_each_write_once_in_order_and_logs_a_failure(tmp_path, caplog):
+    later = fsutil.Later()
+    done = []
+    later.add(done.append, 1)
+    later.add(fsutil.atomic_write, str(tmp_path / "missing-dir" / "f"), b"x")
+    later.add(done.append, 2)
+    assert done == []
+    with caplog.at_level("WARNING"):
+        later.run()
+        later.run()
+    assert done == [1, 2]
+    warned = [r.getMessage() for r in caplog.records if "cache not saved" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("multimaster: cache not saved ([Errno 2] No such file or "
+                                f"directory: '{tmp_path}/missing-dir/")
+    assert warned[0].endswith("), read again next time")
+    fsutil.now_or_later(None, done.append, 3)
+    assert done == [1, 2, 3]
