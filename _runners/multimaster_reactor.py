@@ -168,9 +168,10 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
 
     retries, retry_delay
         A sync that fails (a peer briefly unreachable, e.g. while it
-        restarts) is tried again up to ``retries`` times, ``retry_delay``
-        seconds apart; a periodic full sync (``sync_interval`` of the
-        formula) catches anything left over.
+        restarts, or a master too busy to pass on its return) is tried again
+        up to ``retries`` times, after ``retry_delay`` seconds, then twice
+        as long each time (2, 4, 8 s by default); a periodic full sync
+        (``sync_interval`` of the formula) catches anything left over.
 
     Returns ``{"queued": True}`` when a running sync will cover this event,
     else ``{"syncs": n, "result": bool, "last": <sync return>}``.
@@ -239,7 +240,7 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                         failures = 0
                         continue
                     queue.put(ids)
-                    time.sleep(float(retry_delay))
+                    time.sleep(float(retry_delay) * 2 ** (failures - 1))
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
         if not queue.pending() or syncs >= max_rounds:

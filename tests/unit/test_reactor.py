@@ -282,3 +282,20 @@ def test_key_event_numeric_id(tmp_path):
     mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
     assert mod.key_event(act="accepted", minion_id=1234, window=0)["syncs"] == 1
     assert calls == [["1234"]]
+
+
+def test_key_event_retries_back_off_then_give_up(tmp_path):
+    """A failing sync is tried again after 2, 4 and 8 s, then left to the next full sync."""
+    syncs = []
+
+    def sync(only, minion_ids):
+        syncs.append((clock.now, minion_ids))
+        return {"m02": {"result": False, "error": "no return"}, "retcode": 1}
+
+    mod = _runner(tmp_path, sync)
+    clock = _Clock(mod, tmp_path)
+    with patch.object(mod, "time", clock):
+        # max_wait=0: no settling for a quiet queue between the tries (covered above)
+        ret = mod.key_event(act="accepted", minion_id="a", window=0, max_wait=0)
+    assert ret["result"] is False and ret["syncs"] == 4
+    assert syncs == [(1000.0, ["a"]), (1002.0, ["a"]), (1006.0, ["a"]), (1014.0, ["a"])]
