@@ -98,6 +98,15 @@ def _request(fun, sealed, given):
         raise CommandExecutionError(f"multimaster_peer.{fun}: {exc}") from None
 
 
+def _after_return(work):
+    """
+    Run ``work`` once this job has returned, in a thread of the job's
+    process (which waits for it before it exits).
+    """
+    threading.Thread(target=peer.record_after_return, args=(_state_dir(), work),
+                     name="multimaster-key-history", daemon=False).start()
+
+
 def _refused(fun, exc):
     """Bad input from the primary or the CLI: a named error, result False, a non-zero exit."""
     log.error("multimaster: %s refused: %s", fun, exc)
@@ -147,11 +156,16 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
         return protocol.reply(_refused("multimaster_peer.inventory", exc))
     mopts = _master_opts()
     started = time.monotonic()
-    if args["minion_ids"] is not None:
-        ret = peer.targeted_inventory(mopts, _state_dir(), ids)
-    else:
-        ret = peer.inventory(mopts, _state_dir(), categories, digests, args["topology"],
-                             args["config_keys"], rescan=args["rescan"])
+    try:
+        with peer.locked(_state_dir()):
+            if args["minion_ids"] is not None:
+                ret = peer.targeted_inventory(mopts, _state_dir(), ids)
+            else:
+                ret = peer.inventory(mopts, _state_dir(), categories, digests,
+                                     args["topology"], args["config_keys"],
+                                     rescan=args["rescan"])
+    except peer.PeerError as exc:
+        raise CommandExecutionError(str(exc)) from None
     log.debug("multimaster: inventory in %.3f s", time.monotonic() - started)
     return protocol.reply(ret)
 
@@ -247,7 +261,7 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
                          args["backup_keep"], _unseal, _fetch, _restart_master, pull=_pull,
                          pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
                          keys_digest=args["keys_digest"], expect=args["expect"],
-                         config_keys=args["config_keys"])
+                         config_keys=args["config_keys"], after=_after_return)
     except validate.InvalidInput as exc:
         return protocol.reply(_refused("multimaster_peer.apply", exc))
     except (peer.PeerError, protocol.ProtocolError) as exc:

@@ -18,11 +18,12 @@ import hashlib
 import json
 import logging
 import os
+import time
 
 import salt.utils.yaml
 
-from salt_multimaster import (backup, compat, daemon, finger, fsutil, layout, manifest, protocol,
-                              replicate, seal, validate)
+from salt_multimaster import (backup, compat, daemon, finger, fsutil, layout, lock, manifest,
+                              protocol, replicate, seal, validate)
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,56 @@ MAX_REPORTED = 100
 # the primary a fixed share of CPU, and on two cores CPU is what runs out.
 PULL_AHEAD = 2
 DROPIN_HEADER = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
-
-
 class PeerError(Exception):
     """An item this peer cannot apply; its message names it."""
+
+
+# One job at a time reads or writes a peer's sync state (``peer.lock`` in
+# state_dir), the key history record an apply leaves running included;
+# waited for at most this long.
+PEER_LOCK = "peer.lock"
+LOCK_WAIT = 60.0
+# The key history record of an apply starts this long after the apply
+# returned, in the job's process, so that the job's return goes out first.
+RECORD_DELAY = 0.05
+
+
+def locked(state_dir, wait=LOCK_WAIT):
+    """
+    ``with locked(state_dir):`` one job at a time on this peer's sync state
+    (an inventory, an apply, the key history record an apply left running).
+    :class:`PeerError` after ``wait`` seconds.
+    """
+    fsutil.makedirs(state_dir, mode=0o700)
+    return _PeerLock(os.path.join(state_dir, PEER_LOCK), wait)
+
+
+class _PeerLock(lock.SyncLock):
+    def __init__(self, path, wait):
+        super().__init__(path, None, wait=wait, poll=0.01)
+
+    def acquire(self):
+        try:
+            return super().acquire()
+        except lock.Busy:
+            raise PeerError(f"another multimaster job still holds {self.path} after "
+                            f"{self.wait:.0f} s") from None
+
+
+def record_after_return(state_dir, work, delay=RECORD_DELAY, sleep=time.sleep):
+    """
+    Run ``work`` (an apply's key history record) under :func:`locked`,
+    ``delay`` seconds from now: what the job's thread started after its
+    return runs.  A failure is logged: the next sync records the history
+    (the inventory says it is not).
+    """
+    sleep(delay)
+    try:
+        with locked(state_dir):
+            work()
+    except Exception:  # pylint: disable=broad-except
+        log.exception("multimaster: the key history of the last apply was not recorded; "
+                      "the next sync records it")
 
 
 # ---------------------------------------------------------------------------
@@ -524,14 +571,16 @@ def check_expected(mopts, state_dir, expect, topology, config_keys):
 
 def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
           pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
-          config_keys=None):
+          config_keys=None, after=None):
     """
     Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
     chunk, through ``pull(request)``); return the reply without its
     protocol: per category the failures, ``restart``, ``backup``.  Raise
     :class:`validate.InvalidInput` for operations it refuses (nothing
     applied).  ``keys_digest``: the primary's minion key digests, for the
-    history record (:func:`record_history`).
+    history record (:func:`record_history`), handed to ``after`` to run
+    once the job has returned (:func:`record_after_return`; default: run
+    before this returns).
 
     ``expect`` (a change sync, or a targeted key sync, in one round trip):
     apply only if this peer holds what the primary expects
@@ -540,6 +589,17 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     carries what the inventory says of the master (``master_running``,
     ``master_address``, ``restart_pending``).
     """
+    if ops is not None:
+        ops = validate.ops(ops)  # refused before anything is read, locked or written
+    if topology not in layout.TOPOLOGIES:
+        raise validate.InvalidInput(f"unknown topology {topology!r}")
+    with locked(state_dir):
+        return _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
+                      pull_token, pull_chunks, keys_digest, expect, config_keys, after)
+
+
+def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
+           pull_token, pull_chunks, keys_digest, expect, config_keys, after):
     status = {}
     if expect is not None:
         held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
@@ -552,10 +612,8 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         app.puller = Puller(app, pull_token, pull_chunks, pull)
     try:
         if app.puller is not None and ops is None:
-            ops = app.puller.ops()
-        ops = validate.ops(ops or {})
-        if topology not in layout.TOPOLOGIES:
-            raise validate.InvalidInput(f"unknown topology {topology!r}")
+            ops = validate.ops(app.puller.ops())
+        ops = ops or {}
         ret = apply_categories(app, ops, topology, fetch)
     except BaseException:
         app.batch.abort()  # no temporary file left behind
@@ -567,7 +625,12 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     if "minion_keys" in ops:
         update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
     if isinstance(keys_digest, dict):
-        record_history(mopts, state_dir, keys_digest)
+        # a listing of every key dir the apply changed: off the sync's path
+        record = functools.partial(record_history, mopts, state_dir, keys_digest)
+        if after is None:
+            record()
+        else:
+            after(record)
     daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
     for cat in ops:
         ret[cat] = outcome(ret[cat])

@@ -186,3 +186,65 @@ def test_the_primary_saves_what_it_read_once_its_publish_is_out(fake):
     assert after.reused and after.digest != before  # saved by the end of the sync
     assert manifest.KeysSnapshot.saved_digest(
         fake.primary_opts["pki_dir"], f"{tmp_path}/m1/cache/multimaster") == after.digest
+
+
+def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
+    """
+    The listing of the key dirs an apply changed, for its history record,
+    runs once the job has returned (``after``), under the peer's lock; until
+    it has, the inventory says the history is not recorded.
+    """
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    _sync(fake)
+    left = []
+    run = fake._run
+
+    def apply_leaving_the_record(fun, request):
+        if fun != "multimaster_peer.apply":
+            return run(fun, request)
+        _read_dropin(fake.mopts)
+        return peer.apply(fake.mopts, fake.state_dir, request["ops"], request["topology"],
+                          request["backup_keep"], fake.unseal, fake.fetch,
+                          lambda *args: "restarting", keys_digest=request.get("keys_digest"),
+                          expect=request.get("expect"), config_keys=request.get("config_keys"),
+                          after=left.append)
+
+    fake._run = apply_leaving_the_record
+    with open(f"{tmp_path}/m1/pki/minions/web4", "wb") as fh:
+        fh.write(gen_keypair(1024)[1])
+    res, published = _sync(fake)
+    assert published == ["apply"] and res["minion_keys"]["added"] == ["minions/web4"], res
+    assert len(left) == 1
+    assert "web4" in peer.read_history(fake.state_dir)  # the ids it wrote: at once
+    assert peer.keys_inventory(fake.mopts, fake.state_dir, {})["history_recorded"] is False
+
+    slept = []
+
+    def sleep(seconds):
+        slept.append(seconds)
+
+    def work():
+        # under the lock: another job waits
+        with pytest.raises(peer.PeerError, match="another multimaster job still holds"):
+            with peer.locked(fake.state_dir, wait=0):
+                pass
+        left[0]()
+
+    peer.record_after_return(fake.state_dir, work, sleep=sleep)
+    assert slept == [peer.RECORD_DELAY]
+    assert peer.keys_inventory(fake.mopts, fake.state_dir, {})["history_recorded"] is True
+    _assert_replica(fake.primary_opts, fake.mopts)
+
+
+def test_a_history_record_that_fails_is_logged(tmp_path, caplog):
+    def work():
+        raise OSError(28, "No space left on device")
+
+    with caplog.at_level("ERROR"):
+        peer.record_after_return(str(tmp_path / "state"), work, sleep=lambda s: None)
+    assert [r.getMessage() for r in caplog.records] == [
+        "multimaster: the key history of the last apply was not recorded; "
+        "the next sync records it"]
+    # the lock was let go
+    with peer.locked(str(tmp_path / "state"), wait=0):
+        pass
