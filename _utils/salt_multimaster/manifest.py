@@ -21,6 +21,11 @@ from salt_multimaster import fsutil
 log = logging.getLogger(__name__)
 
 KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "minions_autosign")
+# Key dirs whose files Salt rewrites in place (its dir's mtime unchanged):
+# Salt 3006 and 3007 write a denied key over minions_denied/<id> (``w+``)
+# when the same id comes back with yet another key.  Each of their keys is
+# statted at every snapshot (they hold few).
+REWRITTEN_IN_PLACE = ("minions_denied",)
 # Hash caches and the key snapshot, in the state directory (cachedir/multimaster)
 KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
@@ -615,9 +620,10 @@ class KeysSnapshot:
     taken from the snapshot, and when no dir changed the saved digests are
     the answer, the manifest being read back only if a bucket has to be
     exchanged.  A changed dir is listed, each key statted, and only new or
-    changed keys (inode, size, mtime) are read.  A key file rewritten in
-    place (Salt never does) is seen at the next change of its directory, or
-    with ``rescan``.
+    changed keys (inode, size, mtime) are read.  The keys of the dirs Salt
+    rewrites in place (:data:`REWRITTEN_IN_PLACE`) are statted every time;
+    any other key file rewritten in place is seen at the next change of its
+    directory, or with ``rescan``.
 
     ``digest``, ``counts`` (keys per state dir) and ``errors`` are set at
     once; ``manifest`` and ``parts`` on first use.  ``reused``: no key dir
@@ -677,9 +683,12 @@ class KeysSnapshot:
                 return stamp[2] < clock[1]
             return stamp[2] + RACY_NS < taken
 
+        files = self.meta.get("files") or {}
         return {state for state, stamp in stamps.items()
                 if state in dirs and dirs[state] == stamp and settled(stamp)
-                and not errors.get(state)}
+                and not errors.get(state)
+                and (state not in REWRITTEN_IN_PLACE
+                     or files.get(state) == _file_stamps(self.pki_dir, state))}
 
     def _load_entries(self):
         return saved_key_entries(self.state_dir)
@@ -739,9 +748,11 @@ class KeysSnapshot:
         # before the last listing (RACY_NS) keeps it
         kept = {k: v for k, v in self.meta.items() if k not in _SCAN_FIELDS} if (
             self.meta.get("digest") == self.digest) else {}
+        files = {state: {mid: entry[:3] for mid, entry in entries[state].items()}
+                 for state in REWRITTEN_IN_PLACE}
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
-                                  "errors": errors, "damaged": damaged})
+                                  "errors": errors, "damaged": damaged, "files": files})
         fsutil.now_or_later(self._later, self._save, entries)
 
     def _save(self, entries):
@@ -788,7 +799,27 @@ class KeysSnapshot:
 
 
 _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
-                "damaged")
+                "damaged", "files")
+
+
+def _file_stamps(pki_dir, state):
+    """``{id: [inode, size, mtime_ns]}`` of the keys of one key dir, as a snapshot saves them."""
+    ret = {}
+    try:
+        listing = os.scandir(os.path.join(pki_dir, state))
+    except FileNotFoundError:
+        return ret
+    with listing:
+        for entry in listing:
+            if entry.name.startswith(".") or not valid_minion_id(entry.name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                ret[entry.name] = [st.st_ino, st.st_size, st.st_mtime_ns]
+    return ret
 
 
 class _Lazy:

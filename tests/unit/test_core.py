@@ -178,6 +178,35 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     assert not rescanned.reused and rescanned.hashed == 0  # every key statted, none read
 
 
+def test_a_denied_key_rewritten_in_place_is_seen_at_the_next_snapshot(tmp_path):
+    """
+    Salt 3006 and 3007 write a denied key over ``minions_denied/<id>`` in
+    place (``fopen(pubfn_denied, "w+")``) when the same id comes back with
+    yet another key: the dir's mtime stays.  That dir's keys are statted at
+    every snapshot; the others are still taken from it.
+    """
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    for d in ("minions", "minions_denied"):
+        (pki / d).mkdir(parents=True)
+    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
+    denied = pki / "minions_denied" / "web1"
+    denied.write_bytes(gen_keypair(1024)[1])
+    _age(pki)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
+    dir_stamp = (pki / "minions_denied").stat().st_mtime_ns
+    with open(denied, "r+b") as fh:  # as Salt's "w+": same inode, same dir
+        fh.truncate(0)
+        fh.write(gen_keypair(1024)[1])
+    assert (pki / "minions_denied").stat().st_mtime_ns == dir_stamp
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert not again.reused and again.hashed == 1  # only the denied key read again
+    assert again.manifest == _listed(pki, tmp_path)[0]
+    assert again.digest != first.digest
+    assert again.manifest["minions"] == first.manifest["minions"]
+    assert manifest.KeysSnapshot(str(pki), str(state)).reused
+
+
 def test_a_key_dir_holding_a_damaged_key_is_listed_every_time(tmp_path):
     """
     A key that cannot be used (not a PEM key, unreadable) is reported and
