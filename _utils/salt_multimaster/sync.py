@@ -11,7 +11,6 @@ configuration, the publishes through ``LocalClient``, progress events and
 the exit code.  ``opts`` below is the primary master's configuration.
 """
 
-import concurrent.futures
 import json
 import logging
 import os
@@ -82,14 +81,8 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     cache_dir = layout.state_dir(opts)
     saved = saved or {}
     errors, state = [], {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        # the keys listed while the roots are walked: mostly stat calls,
-        # which let the other thread run
-        keys = (pool.submit(manifest.KeysSnapshot, opts["pki_dir"], cache_dir, rescan=rescan,
-                            later=later) if "minion_keys" in categories else None)
-        roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                                  later=later)
-        snap = keys.result() if keys is not None else None
+    roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
+                                              later=later)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -97,6 +90,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     for cat in categories:
         if cat == "minion_keys":
             # no per-key work while no key dir changed
+            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later)
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
