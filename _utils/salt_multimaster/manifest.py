@@ -482,6 +482,18 @@ def _key_entry(state, name, full, cache, errors, entry=None):
     return sha
 
 
+def _key_dir_entries(pki_dir, state):
+    """The ``os.DirEntry`` of one key dir but its dotfiles (Salt's .key_cache, a sync's staging)."""
+    try:
+        listing = os.scandir(os.path.join(pki_dir, state))
+    except FileNotFoundError:
+        return
+    with listing:
+        for entry in listing:
+            if not entry.name.startswith("."):
+                yield entry
+
+
 def _list_key_dir(pki_dir, state, known, get_cache, errors):
     """
     ``{minion_id: [inode, size, mtime_ns, sha256]}`` of one key dir.  A key
@@ -489,27 +501,20 @@ def _list_key_dir(pki_dir, state, known, get_cache, errors):
     through ``get_cache()`` (called only then).
     """
     ret = {}
-    try:
-        listing = os.scandir(os.path.join(pki_dir, state))
-    except FileNotFoundError:
-        return ret
-    with listing:
-        for entry in listing:
-            if entry.name.startswith("."):
-                continue  # Salt's .key_cache, a sync's staging dir: not keys
-            was = known.get(entry.name)
-            if was is not None and not entry.is_symlink():
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                if (stat.S_ISREG(st.st_mode) and was[0] == st.st_ino
-                        and was[1] == st.st_size and was[2] == st.st_mtime_ns):
-                    ret[entry.name] = was
-                    continue
-            cache = get_cache()
-            if _key_entry(state, entry.name, entry.path, cache, errors, entry) is not None:
-                ret[entry.name] = cache.entries[entry.path]
+    for entry in _key_dir_entries(pki_dir, state):
+        was = known.get(entry.name)
+        if was is not None and not entry.is_symlink():
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            if (stat.S_ISREG(st.st_mode) and was[0] == st.st_ino
+                    and was[1] == st.st_size and was[2] == st.st_mtime_ns):
+                ret[entry.name] = was
+                continue
+        cache = get_cache()
+        if _key_entry(state, entry.name, entry.path, cache, errors, entry) is not None:
+            ret[entry.name] = cache.entries[entry.path]
     return ret
 
 
@@ -805,20 +810,15 @@ _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "err
 def _file_stamps(pki_dir, state):
     """``{id: [inode, size, mtime_ns]}`` of the keys of one key dir, as a snapshot saves them."""
     ret = {}
-    try:
-        listing = os.scandir(os.path.join(pki_dir, state))
-    except FileNotFoundError:
-        return ret
-    with listing:
-        for entry in listing:
-            if entry.name.startswith(".") or not valid_minion_id(entry.name):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                ret[entry.name] = [st.st_ino, st.st_size, st.st_mtime_ns]
+    for entry in _key_dir_entries(pki_dir, state):
+        if not valid_minion_id(entry.name):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            ret[entry.name] = [st.st_ino, st.st_size, st.st_mtime_ns]
     return ret
 
 
