@@ -116,9 +116,12 @@ _DEFAULT_TIMEOUT = 120
 # A sync waits this long for another sync of this primary to end, then gives up.
 LOCK_WAIT = 60
 # How a peer's job is tracked: after JOB_POLL seconds without a return, Salt's
-# find_job asks the peer every GATHER_TIMEOUT seconds whether it still runs it.
+# find_job asks the peer whether it still runs it, and waits for the answer
+# the master's gather_job_timeout, as Salt's CLI does (GATHER_TIMEOUT when
+# unset: Salt's default).  3 s was too short for a busy master: a peer
+# still working was reported gone.
 JOB_POLL = 2
-GATHER_TIMEOUT = 3
+GATHER_TIMEOUT = 10
 
 # Keyword arguments of sync and status besides their named parameters.
 _CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeout",
@@ -274,12 +277,21 @@ def _client():
     return salt.client.LocalClient(mopts=__opts__)
 
 
+def _gather_timeout():
+    """The master's ``gather_job_timeout`` (:data:`GATHER_TIMEOUT` when unset or not a number)."""
+    try:
+        return max(1, int(__opts__.get("gather_job_timeout") or GATHER_TIMEOUT))
+    except (TypeError, ValueError):
+        return GATHER_TIMEOUT
+
+
 def _returns(client, pub, tgt, tgt_type, timeout, on_wait=None):
     """
     ``{minion id: return}`` of the job ``pub`` (``ret`` of Salt's full
     return) from the minions that returned within ``timeout`` seconds.  The
-    job is tracked with ``saltutil.find_job`` as Salt's own CLI does, every
-    :data:`GATHER_TIMEOUT` seconds: a minion that is not connected, or dies
+    job is tracked with ``saltutil.find_job`` as Salt's own CLI does, each
+    answer awaited ``gather_job_timeout`` seconds (the master's option,
+    :data:`GATHER_TIMEOUT` by default): a minion that is not connected, or dies
     (or loses its return across a master restart) while it works, is given
     up within seconds; one still running is waited for up to the timeout.
     ``on_wait(seconds)`` is called every :data:`PROGRESS_EVERY` seconds
@@ -296,7 +308,7 @@ def _returns(client, pub, tgt, tgt_type, timeout, on_wait=None):
     poll = jobs.EventPoll()
     for got in client.get_iter_returns(pub["jid"], set(pub["minions"]), timeout=JOB_POLL,
                                        tgt=tgt, tgt_type=tgt_type, expect_minions=False,
-                                       block=False, gather_job_timeout=GATHER_TIMEOUT):
+                                       block=False, gather_job_timeout=_gather_timeout()):
         for mid, data in (got or {}).items():
             if isinstance(data, dict) and "ret" in data:
                 ret[mid] = data["ret"]

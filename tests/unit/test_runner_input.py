@@ -136,3 +136,36 @@ def test_sync_on_a_peer_says_run_it_on_the_primary(runner, tmp_path):
     assert runner.sync() == _refused(
         f"this master is a peer: it holds {tmp_path}/etc/master.d/multimaster-sync.conf, written "
         "by a primary's multimaster.sync; run salt-run multimaster.sync on the primary")
+
+
+
+class _Client:
+    """Salt's LocalClient for one publish: records how its returns are waited for."""
+
+    waits = []
+
+    def __init__(self, *args, **kwargs):
+        self.event = type("Event", (), {"cpub": True, "close_pub": lambda self: None})()
+
+    def run_job(self, tgt, fun, **kwargs):
+        return {"jid": "20261124000000000001", "minions": list(tgt)}
+
+    def get_iter_returns(self, jid, minions, **kwargs):
+        self.waits.append(kwargs["gather_job_timeout"])
+        yield {}
+
+    def destroy(self):
+        pass
+
+
+@pytest.mark.parametrize("configured,used", [(None, 10), (25, 25), ("soon", 10)])
+def test_a_peer_job_is_tracked_for_the_masters_gather_job_timeout(runner, monkeypatch,
+                                                                  configured, used):
+    """A busy peer answers find_job late: it is waited for as long as Salt's CLI would."""
+    if configured is not None:
+        runner.__opts__["gather_job_timeout"] = configured
+    monkeypatch.setattr(salt.client, "LocalClient", _Client)
+    _Client.waits = []
+    ret = runner.sync(peers="m2", only="master_config", timeout=5)
+    assert ret["m2"]["result"] is False  # nothing returned: reported, not hidden
+    assert _Client.waits == [used]
