@@ -420,13 +420,17 @@ def _new_minion(cluster, minion_id):
 
 
 def _diag(cluster):
-    """Key dirs of the peer and the primary's multimaster log lines, for failures."""
-    lines = [
-        line for line in cluster.log_files(cluster.primary)[0].read_text(errors="replace")
-        .splitlines() if "multimaster" in line or "reactor" in line.lower()
-    ]
-    return {"peer_keys": {k: sorted(v) for k, v in cluster.keys(cluster.peers[0]).items()},
-            "primary_log": lines[-30:]}
+    """
+    Key dirs of the peer, the primary's and the peer minion's multimaster
+    log lines, for failures (a string: pytest shows it whole).
+    """
+    def lines(daemon):
+        return [line for line in cluster.log_files(daemon)[0].read_text(errors="replace")
+                .splitlines() if "multimaster" in line or "reactor" in line.lower()][-30:]
+
+    keys = {k: sorted(v) for k, v in cluster.keys(cluster.peers[0]).items()}
+    return "\n".join([f"peer keys: {keys}", "primary log:", *lines(cluster.primary),
+                      "peer minion log:", *lines(cluster.peer_minions[0])])
 
 
 def _master_sls_pillar(cluster):
