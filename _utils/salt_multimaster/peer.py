@@ -74,7 +74,7 @@ class _PeerLock(lock.SyncLock):
 
 def record_after_return(state_dir, work, delay=RECORD_DELAY, sleep=time.sleep):
     """
-    Run ``work`` (an apply's key history record) under :func:`locked`,
+    Run ``work`` (what an apply leaves for after its return) under :func:`locked`,
     ``delay`` seconds from now: what the job's thread started after its
     return runs.  A failure is logged: the next sync records the history
     (the inventory says it is not).
@@ -578,9 +578,10 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     protocol: per category the failures, ``restart``, ``backup``.  Raise
     :class:`validate.InvalidInput` for operations it refuses (nothing
     applied).  ``keys_digest``: the primary's minion key digests, for the
-    history record (:func:`record_history`), handed to ``after`` to run
-    once the job has returned (:func:`record_after_return`; default: run
-    before this returns).
+    history record (:func:`record_history`).  That record, and the keys
+    Salt made pending again while they were accepted (:func:`keep_accepted`),
+    are handed to ``after`` to run once the job has returned
+    (:func:`record_after_return`; default: run before this returns).
 
     ``expect`` (a change sync, or a targeted key sync, in one round trip):
     apply only if this peer holds what the primary expects
@@ -596,6 +597,42 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     with locked(state_dir):
         return _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
                       pull_token, pull_chunks, keys_digest, expect, config_keys, after)
+
+
+def _run_now(work):
+    work()
+
+
+def _run_all(work):
+    for one in work:
+        one()
+
+
+def keep_accepted(mopts, ops):
+    """
+    Put back in ``minions/`` each key the ``minion_keys`` ``ops`` accepted
+    that is now pending with the very content written; return their ids.
+    Salt 3008 stores a key as pending by deleting its other states first
+    (``salt/cache/localfs_key.py``, ``store``): a minion whose sign-in to
+    this master was in flight while the apply accepted its key ends up
+    pending here again, although the primary accepted it.
+    """
+    pki, kept = mopts["pki_dir"], []
+    for op in ops:
+        if op["op"] != replicate.WRITE or op["state"] != "minions":
+            continue
+        accepted = os.path.join(pki, "minions", op["id"])
+        pending = os.path.join(pki, "minions_pre", op["id"])
+        try:
+            if os.path.lexists(accepted) or manifest.key_sha_file(pending) != op["sha256"]:
+                continue
+            os.rename(pending, accepted)
+        except OSError:
+            continue
+        log.warning("multimaster: %s was made pending again by this master while the sync "
+                    "accepted it (a sign-in in flight): accepted again", op["id"])
+        kept.append(op["id"])
+    return kept
 
 
 def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
@@ -624,13 +661,14 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     app.commit()
     if "minion_keys" in ops:
         update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
+    # once the job has returned: keys Salt demoted meanwhile put back, then
+    # the history record (a listing of every key dir the apply changed)
+    work = [functools.partial(keep_accepted, mopts, ops["minion_keys"])] \
+        if "minion_keys" in ops else []
     if isinstance(keys_digest, dict):
-        # a listing of every key dir the apply changed: off the sync's path
-        record = functools.partial(record_history, mopts, state_dir, keys_digest)
-        if after is None:
-            record()
-        else:
-            after(record)
+        work.append(functools.partial(record_history, mopts, state_dir, keys_digest))
+    if work:
+        (after or _run_now)(functools.partial(_run_all, work))
     daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
     for cat in ops:
         ret[cat] = outcome(ret[cat])

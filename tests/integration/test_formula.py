@@ -426,7 +426,8 @@ def _diag(cluster):
     """
     def lines(daemon):
         return [line for line in cluster.log_files(daemon)[0].read_text(errors="replace")
-                .splitlines() if "multimaster" in line or "reactor" in line.lower()][-30:]
+                .splitlines() if ("multimaster" in line or "reactor" in line.lower())
+                and not any(level in line for level in ("[DEBUG", "[TRACE", "[GARBAGE"))][-40:]
 
     keys = {k: sorted(v) for k, v in cluster.keys(cluster.peers[0]).items()}
     return "\n".join([f"peer keys: {keys}", "primary log:", *lines(cluster.primary),

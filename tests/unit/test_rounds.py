@@ -4,6 +4,7 @@ the real peer over temp dirs: which publishes go out, and that the peer ends
 a replica.  The same runs on real daemons in tests/integration/test_sync.py.
 """
 
+import os
 import socket
 
 import pytest
@@ -230,8 +231,13 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
                 pass
         left[0]()
 
+    # meanwhile the peer's Salt 3008 made web4 pending again (a sign-in in
+    # flight: its key cache deletes the accepted key to store a pending one)
+    pki = fake.mopts["pki_dir"]
+    os.rename(f"{pki}/minions/web4", f"{pki}/minions_pre/web4")
     peer.record_after_return(fake.state_dir, work, sleep=sleep)
     assert slept == [peer.RECORD_DELAY]
+    assert os.path.exists(f"{pki}/minions/web4") and not os.path.exists(f"{pki}/minions_pre/web4")
     assert peer.keys_inventory(fake.mopts, fake.state_dir, {})["history_recorded"] is True
     _assert_replica(fake.primary_opts, fake.mopts)
 
@@ -248,3 +254,21 @@ def test_a_history_record_that_fails_is_logged(tmp_path, caplog):
     # the lock was let go
     with peer.locked(str(tmp_path / "state"), wait=0):
         pass
+
+
+def test_keep_accepted_puts_back_only_the_key_the_apply_wrote(tmp_path):
+    pki = tmp_path / "pki"
+    for d in ("minions", "minions_pre"):
+        (pki / d).mkdir(parents=True)
+    mine, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
+    (pki / "minions_pre" / "web1").write_bytes(mine)   # demoted, same key
+    (pki / "minions_pre" / "web2").write_bytes(other)  # another key for that id
+    (pki / "minions" / "web3").write_bytes(mine)       # still accepted
+    (pki / "minions_pre" / "web3").write_bytes(mine)
+    ops = [{"op": "write", "state": "minions", "id": mid, "sha256": manifest.key_sha(mine)}
+           for mid in ("web1", "web2", "web3", "web4")]
+    ops.append({"op": "write", "state": "minions_pre", "id": "web5",
+                "sha256": manifest.key_sha(mine)})
+    assert peer.keep_accepted({"pki_dir": str(pki)}, ops) == ["web1"]
+    assert sorted(os.listdir(pki / "minions")) == ["web1", "web3"]
+    assert sorted(os.listdir(pki / "minions_pre")) == ["web2", "web3"]
