@@ -36,6 +36,8 @@ MAX_REPORTED = 100
 # the primary a fixed share of CPU, and on two cores CPU is what runs out.
 PULL_AHEAD = 2
 DROPIN_HEADER = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
+
+
 class PeerError(Exception):
     """An item this peer cannot apply; its message names it."""
 
@@ -599,10 +601,6 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
                       pull_token, pull_chunks, keys_digest, expect, config_keys, after)
 
 
-def _run_now(work):
-    work()
-
-
 def _run_all(work):
     for one in work:
         one()
@@ -667,8 +665,10 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         if "minion_keys" in ops else []
     if isinstance(keys_digest, dict):
         work.append(functools.partial(record_history, mopts, state_dir, keys_digest))
-    if work:
-        (after or _run_now)(functools.partial(_run_all, work))
+    if work and after is None:
+        _run_all(work)
+    elif work:
+        after(functools.partial(_run_all, work))
     daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
     for cat in ops:
         ret[cat] = outcome(ret[cat])
