@@ -213,63 +213,24 @@ def _validate(conf, only):
     return None
 
 
-def _cli_progress():
+def _own_job(fun, kwargs):
     """
-    Whether ``salt-run`` prints this sync's progress: it runs
-    ``multimaster.sync`` with the compact report (no ``--out``, so
-    ``--out=json``/``yaml`` stay the data alone) and the
-    ``multimaster_progress`` outputter is found (with the repository as a
-    file_roots root it is synced once, as the core is).
+    ``(jid, event)``: this runner job's own jid and its connection to the
+    master event bus (``__jid_event__``), each None when it cannot be told.
+
+    Salt sets ``__jid__`` and ``__jid_event__`` in this module's globals at
+    each call, and Salt 3008's reactor runs runner jobs in threads of one
+    process: the globals can be another job's, whose connection Salt closes
+    when that job ends.  So the jid is the one :func:`jobs.own_job` finds,
+    and the connection is used only when it is that job's (its tag ends in
+    the jid) and taken once, at the start of the call.
     """
-    if _CLI_PROGRESS["on"] is None:
-        try:
-            on = _compact("multimaster.sync") and __jid_event__ is not None  # pylint: disable=undefined-variable
-        except NameError:
-            on = False
-        if on and "multimaster_progress" not in salt.loader.outputters(__opts__):
-            try:
-                salt.utils.extmods.sync(__opts__, "output")
-            except Exception as exc:  # pylint: disable=broad-except
-                log.debug("multimaster: outputter not synced: %s", exc)
-            on = "multimaster_progress" in salt.loader.outputters(__opts__)
-        _CLI_PROGRESS["on"] = on
-    return _CLI_PROGRESS["on"]
+    jid, _ = jobs.own_job(__opts__, globals().get("__jid__"), fun, kwargs)
+    return jid, jobs.job_event(globals().get("__jid_event__"), jid)
 
 
-_CLI_PROGRESS = {"on": None, "lock": threading.Lock()}
 #: seconds between two progress lines of one peer's job still running
 PROGRESS_EVERY = 5
-
-
-def _progress(message, **data):
-    """
-    Fire ``salt/multimaster/sync/progress`` on the master event bus, and when
-    ``salt-run`` prints the compact report, a progress event of this job that
-    it prints as one line (the ``multimaster_progress`` outputter).
-    """
-    data["message"] = message
-    with _CLI_PROGRESS["lock"]:
-        try:
-            # the connection of this runner job's own events, when it has one
-            bus = __jid_event__.event  # pylint: disable=undefined-variable
-        except (NameError, AttributeError, ReferenceError):
-            bus = None
-        try:
-            if bus is not None:
-                bus.fire_event(data, "salt/multimaster/sync/progress")
-            else:
-                with salt.utils.event.get_master_event(
-                    __opts__, __opts__["sock_dir"], listen=False
-                ) as event:
-                    event.fire_event(data, "salt/multimaster/sync/progress")
-        except Exception as exc:  # pylint: disable=broad-except
-            log.debug("multimaster: progress event not fired: %s", exc)
-        if _cli_progress():
-            try:
-                __jid_event__.fire_event(  # pylint: disable=undefined-variable
-                    {"message": message, "outputter": "multimaster_progress"}, "progress")
-            except Exception as exc:  # pylint: disable=broad-except
-                log.debug("multimaster: progress not printed: %s", exc)
 
 
 def _client():
@@ -369,10 +330,67 @@ class _Salt:
     """
     What the rounds of a sync (:class:`salt_multimaster.rounds.Rounds`)
     ask of Salt: publishing to the peers, progress lines, the job cache.
+    ``event``: the job's own event connection (:func:`_own_job`), or None:
+    then the progress events go out on a connection of this call's own,
+    closed by :meth:`close`.
     """
 
     publish = _Job
-    progress = staticmethod(_progress)
+
+    def __init__(self, event=None):
+        self.event = event
+        self.bus = None if event is None else event.event
+        self.own_bus = event is None
+        self.lock = threading.Lock()  # the rounds report from their threads
+        self.cli = None
+
+    def close(self):
+        if self.own_bus and self.bus is not None:
+            self.bus.destroy()
+        self.bus = None
+
+    def cli_progress(self):
+        """
+        Whether ``salt-run`` prints this sync's progress: it runs
+        ``multimaster.sync`` with the compact report (no ``--out``, so
+        ``--out=json``/``yaml`` stay the data alone), the job's own event
+        connection is known, and the ``multimaster_progress`` outputter is
+        found (with the repository as a file_roots root it is synced once,
+        as the core is).
+        """
+        if self.cli is None:
+            on = self.event is not None and _compact("multimaster.sync")
+            if on and "multimaster_progress" not in salt.loader.outputters(__opts__):
+                try:
+                    salt.utils.extmods.sync(__opts__, "output")
+                except Exception as exc:  # pylint: disable=broad-except
+                    log.debug("multimaster: outputter not synced: %s", exc)
+                on = "multimaster_progress" in salt.loader.outputters(__opts__)
+            self.cli = on
+        return self.cli
+
+    def progress(self, message, **data):
+        """
+        Fire ``salt/multimaster/sync/progress`` on the master event bus, and
+        when ``salt-run`` prints the compact report, a progress event of this
+        job that it prints as one line (the ``multimaster_progress``
+        outputter).
+        """
+        data["message"] = message
+        with self.lock:
+            try:
+                if self.bus is None:
+                    self.bus = salt.utils.event.get_master_event(
+                        __opts__, __opts__["sock_dir"], listen=False)
+                self.bus.fire_event(data, "salt/multimaster/sync/progress")
+            except Exception as exc:  # pylint: disable=broad-except
+                log.debug("multimaster: progress event not fired: %s", exc)
+            if self.cli_progress():
+                try:
+                    self.event.fire_event(
+                        {"message": message, "outputter": "multimaster_progress"}, "progress")
+                except Exception as exc:  # pylint: disable=broad-except
+                    log.debug("multimaster: progress not printed: %s", exc)
 
     @staticmethod
     def jid_dir(jid):
@@ -380,7 +398,7 @@ class _Salt:
                                       __opts__["hash_type"])
 
 
-def _sync(peers, only, test, force, minion_ids, **kwargs):
+def _sync(job, peers, only, test, force, minion_ids, **kwargs):
     try:
         _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
         test = _valid(validate.boolean, "test", test)
@@ -409,7 +427,7 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
     ret = {peer: {"result": False, "error": message} for peer, message in bad.items()}
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
-        ret.update(rounds.Rounds(__opts__, conf, _Salt, test, force).run(peers, categories, ids))
+        ret.update(rounds.Rounds(__opts__, conf, job, test, force).run(peers, categories, ids))
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1
         ret["retcode"] = 1
@@ -417,13 +435,14 @@ def _sync(peers, only, test, force, minion_ids, **kwargs):
 
 
 @contextlib.contextmanager
-def _job_record(fun, tgt, arg):
+def _job_record(fun, tgt, /, **kwargs):
     """
     Save this job's record naming its one target (``salt_multimaster.jobs``)
-    in a thread while the job runs; saved before the job returns, so before
-    Salt stores the job.
+    and the call's arguments in a thread while the job runs; saved before
+    the job returns, so before Salt stores the job.
     """
-    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), fun, tgt, arg)
+    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), fun, tgt,
+                                   jobs.args(**kwargs), kwargs)
     try:
         yield
     finally:
@@ -508,22 +527,29 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         salt-run multimaster.sync rescan=True
         salt-run multimaster.sync --out=json
     """
-    _CLI_PROGRESS["on"] = None  # decided afresh for each call (the reactor's process lives on)
-    with _job_record("multimaster.sync", __opts__.get("id"),
-                     jobs.args(peers=peers, only=only, test=test or None, force=force or None,
-                               minion_ids=minion_ids, **kwargs)):
-        ret = _locked_sync(peers, only, test, force, minion_ids, **kwargs)
+    call = dict(kwargs, peers=peers, only=only, test=test or None, force=force or None,
+                minion_ids=minion_ids)
+    with _job_record("multimaster.sync", __opts__.get("id"), **call):
+        jid, event = _own_job("multimaster.sync", call)
+        job = _Salt(event)
+        try:
+            ret = _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs)
+        finally:
+            job.close()
     if _compact("multimaster.sync"):
         return {"outputter": "txt",
                 "data": report.sync_rows(ret, _truthy(test), _truthy(verbose))}
     return ret
 
 
-def _locked_sync(peers, only, test, force, minion_ids, **kwargs):
-    """:func:`_sync` under this primary's sync lock (no lock in test mode)."""
+def _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs):
+    """
+    :func:`_sync` under this primary's sync lock (no lock in test mode);
+    ``job``: the :class:`_Salt` of this call, ``jid``: its own jid or None.
+    """
     if str(test).lower() in ("true", "1", "yes"):
-        return _sync(peers, only, test, force, minion_ids, **kwargs)
-    with _sync_lock(kwargs.pop("lock_wait", None)) as busy:
+        return _sync(job, peers, only, test, force, minion_ids, **kwargs)
+    with _sync_lock(kwargs.pop("lock_wait", None), jid) as busy:
         if busy:
             # per peer too: a caller checking each peer's result (the
             # reactor's key_event retries a failed sync) sees the failure
@@ -533,13 +559,14 @@ def _locked_sync(peers, only, test, force, minion_ids, **kwargs):
                 busy.setdefault(peer, {"result": False, "error": busy["error"]})
             return busy
         sync_core.sweep_grants(__opts__, _Salt.jid_dir)
-        return _sync(peers, only, test, force, minion_ids, **kwargs)
+        return _sync(job, peers, only, test, force, minion_ids, **kwargs)
 
 
 @contextlib.contextmanager
-def _sync_lock(wait=None):
+def _sync_lock(wait=None, jid=None):
     """
-    Hold this primary's sync lock (``salt_multimaster.lock``) for the block;
+    Hold this primary's sync lock (``salt_multimaster.lock``) for the block,
+    naming ``jid`` as the holder (else the job this sync runs in);
     yield None, or the failed return naming the running sync's jid when it
     did not end within ``wait`` seconds (``lock_wait=``, else
     ``multimaster:lock_wait``, default 60).
@@ -555,7 +582,7 @@ def _sync_lock(wait=None):
         yield _invalid(f"lock_wait must be a number of seconds (0 to 86400), not {wait!r}")
         return
     held = lock.SyncLock(os.path.join(layout.state_dir(__opts__), lock.LOCK_NAME),
-                         globals().get("__jid__"), wait=wait)
+                         jid or globals().get("__jid__"), wait=wait)
     try:
         held.acquire()
     except lock.Busy as exc:
@@ -591,8 +618,8 @@ def pull(request):
         salt master02 publish.runner multimaster.pull
     """
     caller = __opts__.get("id")
-    with _job_record("multimaster.pull", caller, [f"request={request}"]):
-        return _pull(request, caller, globals().get("__jid__"))
+    with _job_record("multimaster.pull", caller, request=request):
+        return _pull(request, caller, _own_job("multimaster.pull", {"request": request})[0])
 
 
 def _pull(request, caller, jid):
@@ -677,14 +704,18 @@ def status(peers=None, verbose=False, **kwargs):
         salt-run multimaster.status
         salt-run multimaster.status peers=master02 --out=json
     """
-    with _job_record("multimaster.status", __opts__.get("id"), jobs.args(peers=peers, **kwargs)):
-        ret = _status(peers, **kwargs)
+    with _job_record("multimaster.status", __opts__.get("id"), peers=peers, **kwargs):
+        job = _Salt(_own_job("multimaster.status", dict(kwargs, peers=peers))[1])
+        try:
+            ret = _status(job, peers, **kwargs)
+        finally:
+            job.close()
     if _compact("multimaster.status"):
         return {"outputter": "txt", "data": report.status_rows(ret, _truthy(verbose))}
     return ret
 
 
-def _status(peers, **kwargs):
+def _status(job, peers, **kwargs):
     try:
         _valid(_checked_args, "multimaster.status", kwargs)
         conf = _conf(dict(kwargs, peers=peers))
@@ -701,7 +732,7 @@ def _status(peers, **kwargs):
     if not peers:
         ret["retcode"] = 1
         return ret
-    primary, invs = rounds.Rounds(__opts__, conf, _Salt, test=True).inventories(
+    primary, invs = rounds.Rounds(__opts__, conf, job, test=True).inventories(
         sync_core.status_categories(categories), peers)
     pub = primary["master_keys"]["files"]["pub"]
     primary_finger = finger.file_finger(pub, __opts__.get("hash_type", "sha256")) or None
@@ -778,10 +809,9 @@ def audit(
         salt-run multimaster.audit tgt='web*' --out=json
         salt-run multimaster.audit tgt=G@os:Debian tgt_type=compound
     """
-    with _job_record("multimaster.audit", __opts__.get("id"),
-                     jobs.args(tgt=tgt, tgt_type=tgt_type, timeout=timeout, masters=masters,
-                               master_finger=master_finger, topology=topology,
-                               master_version=master_version)):
+    with _job_record("multimaster.audit", __opts__.get("id"), tgt=tgt, tgt_type=tgt_type,
+                     timeout=timeout, masters=masters, master_finger=master_finger,
+                     topology=topology, master_version=master_version):
         return _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version)
 
 

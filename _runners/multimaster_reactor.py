@@ -55,7 +55,7 @@ def _record_job(**kwargs):
     except ImportError:
         return
     jobs.record(__opts__, globals().get("__jid__"), "multimaster_reactor.key_event",
-                __opts__.get("id"), jobs.args(**kwargs))
+                __opts__.get("id"), jobs.args(**kwargs), kwargs=kwargs)
 
 
 def _valid_event_id(minion_id):

@@ -27,35 +27,24 @@ log = logging.getLogger(__name__)
 GLOB_CHARS = "*?["
 
 
-def record(opts, jid, fun, tgt, arg, returners=None):
+def record(opts, jid, fun, tgt, arg, returners=None, kwargs=None):
     """
     Save the record of runner job ``jid`` running ``fun`` (``"module.func"``)
     as ``tgt`` with the arguments ``arg`` (a list).  Return True when saved.
 
     Nothing is saved (Salt saves the record as usual) unless the job cache
     is the master's ``local_cache`` (the only one whose ``store_job`` looks
-    for a saved record), ``jid`` is the job running ``fun`` itself (not
-    another runner calling it), and ``tgt`` is one plain id.  ``returners``:
-    a loader of returners (default: ``salt.loader.returners(opts, {})``).
+    for a saved record), the job running ``fun`` itself can be told
+    (:func:`own_job`; ``jid`` is the ``__jid__`` read, ``kwargs`` the call's
+    keyword arguments), and ``tgt`` is one plain id.  ``returners``: a
+    loader of returners (default: ``salt.loader.returners(opts, {})``).
     """
-    if (not jid or not tgt or any(c in str(tgt) for c in GLOB_CHARS)
+    if (not tgt or any(c in str(tgt) for c in GLOB_CHARS)
             or not opts.get("job_cache", True) or opts.get("ext_job_cache")
             or opts.get("master_job_cache", "local_cache") != "local_cache"):
         return False
-    # A function called by another runner (the reactor's key_event calling
-    # sync, an orchestration) runs under that runner's jid and leaves its
-    # record alone.  Salt 3008 notes each running runner job, with its
-    # function, in cachedir/proc/<jid>; Salt 3007 does not, and there only
-    # the job salt-run or peer_run started (opts["fun"]) is recognised.
-    try:
-        with open(os.path.join(opts["cachedir"], "proc", str(jid)), "rb") as fh:
-            running = salt.payload.load(fh)
-    except FileNotFoundError:
-        running = {"fun": f"runner.{opts['fun']}"} if opts.get("fun") == fun else None
-    except (OSError, ValueError, TypeError) as exc:
-        log.debug("multimaster: job %s: unreadable proc file (%s), record left to Salt", jid, exc)
-        return False
-    if not isinstance(running, dict) or running.get("fun") != f"runner.{fun}":
+    jid, running = own_job(opts, jid, fun, kwargs)
+    if jid is None:
         return False
     # a glob of one id matches that id when its key is accepted, as Salt's
     # own check_minions would find
@@ -72,7 +61,91 @@ def record(opts, jid, fun, tgt, arg, returners=None):
     return True
 
 
-def record_in_thread(opts, jid, fun, tgt, arg):
+def own_job(opts, hint, fun, kwargs=None):
+    """
+    ``(jid, proc data)`` of the runner job that runs ``fun`` (``"module.func"``)
+    in this call, or ``(None, None)`` when it cannot be told.
+
+    ``hint`` is the ``__jid__`` the runner module read.  Salt sets that
+    global at each call, in the module's globals, and Salt 3008's reactor
+    runs its runner jobs in threads of one process sharing one loader: a
+    ``__jid__`` read a moment later can be another event's job.  So the job
+    is found from Salt 3008's proc files (``cachedir/proc/<jid>``, with the
+    function, its arguments and the pid): the job of this process running
+    ``fun`` whose arguments are ``kwargs`` (the ones not None), the hint
+    when several are alike.
+
+    A function called by another runner (the reactor's key_event calling
+    sync, an orchestration) runs under that runner's jid: no job of its own.
+    Salt 3006 and 3007 write no proc file for runner jobs; there only the
+    job salt-run or peer_run started (``opts["fun"]``) is recognised, by the
+    hint.
+    """
+    if not hint:
+        return None, None
+    hint, want, kwargs = str(hint), f"runner.{fun}", kwargs or {}
+    proc = os.path.join(opts["cachedir"], "proc")
+    mine, hinted = {}, False
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(proc, name), "rb") as fh:
+                data = salt.payload.load(fh)
+        except Exception:  # pylint: disable=broad-except
+            # gone meanwhile (the job ended), or not a proc file
+            continue
+        hinted = hinted or name == hint
+        if (isinstance(data, dict) and data.get("fun") == want and data.get("pid") == os.getpid()
+                and _same_args(data.get("fun_args"), kwargs)):
+            mine[name] = data
+    if len(mine) == 1:
+        return next(iter(mine.items()))
+    if hint in mine:
+        return hint, mine[hint]
+    if not mine and not hinted and opts.get("fun") == fun:
+        return hint, {"fun": want}
+    if mine:
+        log.debug("multimaster: %s jobs %s alike: record left to Salt", fun, sorted(mine))
+    return None, None
+
+
+def job_event(event, jid):
+    """
+    ``event`` (a runner's ``__jid_event__``) when it is job ``jid``'s own
+    connection to the event bus (its tag ends in the jid), else None.
+    """
+    try:
+        if jid is not None and event is not None and str(event.base).endswith(f"/{jid}"):
+            return event
+    except (AttributeError, ReferenceError):
+        # not an event of a runner job, or its job ended (a dead weakref)
+        pass
+    return None
+
+
+def _same_args(fun_args, kwargs):
+    """Whether a proc file's ``fun_args`` carry ``kwargs`` (by name, or by value)."""
+    named, values = {}, []
+    for arg in fun_args if isinstance(fun_args, list) else []:
+        if isinstance(arg, dict):
+            named.update({str(k): v for k, v in arg.items() if not str(k).startswith("__")})
+        else:
+            values.append(str(arg))
+    for key, value in kwargs.items():
+        if value is None or str(key).startswith("__"):
+            continue
+        if key in named:
+            if str(named[key]) != str(value):
+                return False
+        elif str(value) not in values:
+            return False
+    return True
+
+
+def record_in_thread(opts, jid, fun, tgt, arg, kwargs=None):
     """
     :func:`record` in a thread started here, so that the job goes on
     meanwhile (loading the job cache takes a few tenths of a second); the
@@ -80,7 +153,7 @@ def record_in_thread(opts, jid, fun, tgt, arg):
     variables).  Join it before the job returns.
     """
     thread = threading.Thread(target=compat.copy_context().run,
-                              args=(record, opts, jid, fun, tgt, arg),
+                              args=(record, opts, jid, fun, tgt, arg, None, kwargs),
                               name="multimaster-job-record", daemon=True)
     thread.start()
     return thread

@@ -22,9 +22,11 @@ def opts(tmp_path):
             "master_job_cache": "local_cache"}
 
 
-def _running(opts, jid, fun, user="root"):
+def _running(opts, jid, fun, user="root", fun_args=(), pid=None):
+    """The proc file Salt 3008 writes for a runner job (of this process by default)."""
     with open(os.path.join(opts["cachedir"], "proc", jid), "wb") as fh:
-        salt.payload.dump({"fun": fun, "jid": jid, "user": user, "pid": 1}, fh)
+        salt.payload.dump({"fun": fun, "jid": jid, "user": user, "fun_args": list(fun_args),
+                           "pid": os.getpid() if pid is None else pid}, fh)
 
 
 class _Returners(dict):
@@ -78,6 +80,64 @@ def test_left_to_salt(opts, case):
     rets = _Returners()
     assert jobs.record(opts, jid, "multimaster.sync", tgt, [], rets) is False
     assert rets.calls == []
+
+
+def test_reactor_threads_each_record_their_own_job(opts):
+    # Salt 3008's reactor runs key_event jobs in threads of one process that
+    # share the module's __jid__: the hint can name the other thread's job
+    fun = "multimaster_reactor.key_event"
+    _running(opts, "10", f"runner.{fun}", fun_args=[{"act": "accepted", "minion_id": "a"}])
+    _running(opts, "11", f"runner.{fun}", fun_args=[{"act": "accepted", "minion_id": "b"}])
+    # a job of another process running the same function with the same args
+    _running(opts, "12", f"runner.{fun}", fun_args=[{"act": "accepted", "minion_id": "a"}],
+             pid=os.getpid() + 1)
+    rets = _Returners()
+    assert jobs.record(opts, "11", fun, "peer1", ["act=accepted", "minion_id=a"], rets,
+                       kwargs={"act": "accepted", "minion_id": "a"}) is True
+    assert jobs.record(opts, "11", fun, "peer1", ["act=accepted", "minion_id=b"], rets,
+                       kwargs={"act": "accepted", "minion_id": "b"}) is True
+    assert [(jid, load["arg"]) for jid, load, _ in rets.calls] == [
+        ("10", ["act=accepted", "minion_id=a"]), ("11", ["act=accepted", "minion_id=b"])]
+
+
+def test_own_job(opts):
+    fun = "multimaster.sync"
+    # one job of this process runs the function: that one, whatever the hint
+    # and however its arguments were given (by name or by position)
+    _running(opts, "20", f"runner.{fun}", fun_args=["master02", {"test": True, "__pub_x": 1}])
+    assert jobs.own_job(opts, "99", fun, {"peers": "master02", "test": True, "__pub_user": "u",
+                                          "only": None})[0] == "20"
+    # other arguments: not this call's job
+    assert jobs.own_job(opts, "20", fun, {"peers": "master03"}) == (None, None)
+    # two alike: the hint, when it is one of them; else nobody
+    _running(opts, "21", f"runner.{fun}", fun_args=["master02", {"test": True}])
+    assert jobs.own_job(opts, "21", fun, {"peers": "master02"})[0] == "21"
+    assert jobs.own_job(opts, "22", fun, {"peers": "master02"}) == (None, None)
+    # no hint: nothing
+    assert jobs.own_job(opts, None, fun, {}) == (None, None)
+
+
+def test_job_event_is_the_jobs_own_connection_only():
+    import weakref  # pylint: disable=import-outside-toplevel
+
+    import salt.utils.event  # pylint: disable=import-outside-toplevel
+
+    class Bus:
+        def fire_event(self, data, tag):
+            pass
+
+    mine = salt.utils.event.NamespacedEvent(Bus(), "salt/run/20")
+    assert jobs.job_event(mine, "20") is mine
+    # another job's connection, a job not told, no event
+    assert jobs.job_event(mine, "2") is None
+    assert jobs.job_event(mine, None) is None
+    assert jobs.job_event(None, "20") is None
+    # Salt hands the job a weak proxy: once its job ended, no connection
+    other = salt.utils.event.NamespacedEvent(Bus(), "salt/run/21")
+    proxy = weakref.proxy(other)
+    assert jobs.job_event(proxy, "21") is proxy
+    del other
+    assert jobs.job_event(proxy, "21") is None
 
 
 def test_without_a_proc_file_the_started_function_records(opts):
