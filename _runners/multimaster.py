@@ -213,22 +213,6 @@ def _validate(conf, only):
     return None
 
 
-def _own_job(fun, kwargs):
-    """
-    ``(jid, event)``: this runner job's own jid and its connection to the
-    master event bus (``__jid_event__``), each None when it cannot be told.
-
-    Salt sets ``__jid__`` and ``__jid_event__`` in this module's globals at
-    each call, and Salt 3008's reactor runs runner jobs in threads of one
-    process: the globals can be another job's, whose connection Salt closes
-    when that job ends.  So the jid is the one :func:`jobs.own_job` finds,
-    and the connection is used only when it is that job's (its tag ends in
-    the jid) and taken once, at the start of the call.
-    """
-    jid, _ = jobs.own_job(__opts__, globals().get("__jid__"), fun, kwargs)
-    return jid, jobs.job_event(globals().get("__jid_event__"), jid)
-
-
 #: seconds between two progress lines of one peer's job still running
 PROGRESS_EVERY = 5
 
@@ -330,7 +314,7 @@ class _Salt:
     """
     What the rounds of a sync (:class:`salt_multimaster.rounds.Rounds`)
     ask of Salt: publishing to the peers, progress lines, the job cache.
-    ``event``: the job's own event connection (:func:`_own_job`), or None:
+    ``event``: the job's own event connection (:func:`_job_record`), or None:
     then the progress events go out on a connection of this call's own,
     closed by :meth:`close`.
     """
@@ -437,16 +421,28 @@ def _sync(job, peers, only, test, force, minion_ids, **kwargs):
 @contextlib.contextmanager
 def _job_record(fun, tgt, /, **kwargs):
     """
-    Save this job's record naming its one target (``salt_multimaster.jobs``)
-    and the call's arguments in a thread while the job runs; saved before
-    the job returns, so before Salt stores the job.
+    Yield ``(jid, event)``: this runner job's own jid and its connection to
+    the master event bus (``__jid_event__``), each None when it cannot be
+    told; save the job's record naming its one target
+    (``salt_multimaster.jobs``) and the call's arguments in a thread while
+    the job runs, before it returns, so before Salt stores the job.
+
+    Salt sets ``__jid__`` and ``__jid_event__`` in this module's globals at
+    each call, and Salt 3008's reactor runs runner jobs in threads of one
+    process: the globals can be another job's, whose connection Salt closes
+    when that job ends.  So the jid is the one :func:`jobs.own_job` finds,
+    and the connection is used only when it is that job's (its tag ends in
+    the jid), taken once, here.
     """
-    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), fun, tgt,
-                                   jobs.args(**kwargs), kwargs)
+    jid, running = jobs.own_job(__opts__, globals().get("__jid__"), fun, kwargs)
+    event = jobs.job_event(globals().get("__jid_event__"), jid)
+    thread = jobs.record_in_thread(__opts__, jid, fun, tgt, jobs.args(**kwargs), running) \
+        if jid is not None else None
     try:
-        yield
+        yield jid, event
     finally:
-        thread.join()
+        if thread is not None:
+            thread.join()
 
 
 def _compact(fun):
@@ -527,10 +523,9 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         salt-run multimaster.sync rescan=True
         salt-run multimaster.sync --out=json
     """
-    call = dict(kwargs, peers=peers, only=only, test=test or None, force=force or None,
-                minion_ids=minion_ids)
-    with _job_record("multimaster.sync", __opts__.get("id"), **call):
-        jid, event = _own_job("multimaster.sync", call)
+    with _job_record("multimaster.sync", __opts__.get("id"), peers=peers, only=only,
+                     test=test or None, force=force or None, minion_ids=minion_ids,
+                     **kwargs) as (jid, event):
         job = _Salt(event)
         try:
             ret = _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs)
@@ -618,8 +613,8 @@ def pull(request):
         salt master02 publish.runner multimaster.pull
     """
     caller = __opts__.get("id")
-    with _job_record("multimaster.pull", caller, request=request):
-        return _pull(request, caller, _own_job("multimaster.pull", {"request": request})[0])
+    with _job_record("multimaster.pull", caller, request=request) as (jid, _):
+        return _pull(request, caller, jid)
 
 
 def _pull(request, caller, jid):
@@ -704,8 +699,9 @@ def status(peers=None, verbose=False, **kwargs):
         salt-run multimaster.status
         salt-run multimaster.status peers=master02 --out=json
     """
-    with _job_record("multimaster.status", __opts__.get("id"), peers=peers, **kwargs):
-        job = _Salt(_own_job("multimaster.status", dict(kwargs, peers=peers))[1])
+    with _job_record("multimaster.status", __opts__.get("id"), peers=peers,
+                     **kwargs) as (_, event):
+        job = _Salt(event)
         try:
             ret = _status(job, peers, **kwargs)
         finally:

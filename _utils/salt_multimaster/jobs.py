@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 GLOB_CHARS = "*?["
 
 
-def record(opts, jid, fun, tgt, arg, returners=None, kwargs=None):
+def record(opts, jid, fun, tgt, arg, returners=None, kwargs=None, running=None):
     """
     Save the record of runner job ``jid`` running ``fun`` (``"module.func"``)
     as ``tgt`` with the arguments ``arg`` (a list).  Return True when saved.
@@ -36,14 +36,16 @@ def record(opts, jid, fun, tgt, arg, returners=None, kwargs=None):
     is the master's ``local_cache`` (the only one whose ``store_job`` looks
     for a saved record), the job running ``fun`` itself can be told
     (:func:`own_job`; ``jid`` is the ``__jid__`` read, ``kwargs`` the call's
-    keyword arguments), and ``tgt`` is one plain id.  ``returners``: a
-    loader of returners (default: ``salt.loader.returners(opts, {})``).
+    keyword arguments; ``running``: its proc data when the caller found the
+    job already), and ``tgt`` is one plain id.  ``returners``: a loader of
+    returners (default: ``salt.loader.returners(opts, {})``).
     """
     if (not tgt or any(c in str(tgt) for c in GLOB_CHARS)
             or not opts.get("job_cache", True) or opts.get("ext_job_cache")
             or opts.get("master_job_cache", "local_cache") != "local_cache"):
         return False
-    jid, running = own_job(opts, jid, fun, kwargs)
+    if running is None:
+        jid, running = own_job(opts, jid, fun, kwargs)
     if jid is None:
         return False
     # a glob of one id matches that id when its key is accepted, as Salt's
@@ -145,7 +147,7 @@ def _same_args(fun_args, kwargs):
     return True
 
 
-def record_in_thread(opts, jid, fun, tgt, arg, kwargs=None):
+def record_in_thread(opts, jid, fun, tgt, arg, running=None):
     """
     :func:`record` in a thread started here, so that the job goes on
     meanwhile (loading the job cache takes a few tenths of a second); the
@@ -153,7 +155,7 @@ def record_in_thread(opts, jid, fun, tgt, arg, kwargs=None):
     variables).  Join it before the job returns.
     """
     thread = threading.Thread(target=compat.copy_context().run,
-                              args=(record, opts, jid, fun, tgt, arg, None, kwargs),
+                              args=(record, opts, jid, fun, tgt, arg, None, None, running),
                               name="multimaster-job-record", daemon=True)
     thread.start()
     return thread
