@@ -138,7 +138,6 @@ def test_sync_on_a_peer_says_run_it_on_the_primary(runner, tmp_path):
         "by a primary's multimaster.sync; run salt-run multimaster.sync on the primary")
 
 
-
 class _Client:
     """Salt's LocalClient for one publish: records how its returns are waited for."""
 
