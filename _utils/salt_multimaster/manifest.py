@@ -28,6 +28,8 @@ KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "m
 REWRITTEN_IN_PLACE = ("minions_denied",)
 # Hash caches and the key snapshot, in the state directory (cachedir/multimaster)
 KEYS_HASHCACHE = "hashcache-keys.json"
+# the directories of the last roots walk, with the watcher's token (DirRecords)
+ROOTS_DIRS = "roots-dirs.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
@@ -157,7 +159,8 @@ def merge(parts, buckets):
 
 class HashCache:
     """
-    ``path -> [inode, size, mtime_ns, sha256]`` persisted as JSON.
+    ``path -> [inode, size, mtime_ns, sha256]`` persisted as JSON, read on
+    first use (a walk that reuses every directory never opens it).
 
     ``hashed`` counts the files actually read, for tests and benchmarks.
     ``rehash``: ignore the cached hashes and read every file again (a file
@@ -167,16 +170,22 @@ class HashCache:
 
     def __init__(self, path=None, rehash=False):
         self.path = path
-        self.entries = {}
+        self._entries = None
         self.dirty = False
         self.hashed = 0
         self.rehash = rehash
-        if path and os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    self.entries = json.load(fh)
-            except (OSError, ValueError):
-                self.entries = {}
+
+    @property
+    def entries(self):
+        if self._entries is None:
+            self._entries = {}
+            if self.path and os.path.isfile(self.path):
+                try:
+                    with open(self.path, encoding="utf-8") as fh:
+                        self._entries = json.load(fh)
+                except (OSError, ValueError):
+                    self._entries = {}
+        return self._entries
 
     def sha256(self, path, st, hasher=sha256_file):
         key = [st.st_ino, st.st_size, st.st_mtime_ns]
@@ -191,7 +200,12 @@ class HashCache:
         return value
 
     def save(self, keep=None):
-        """Persist, dropping entries not in ``keep`` (the paths seen this run)."""
+        """
+        Persist, dropping entries not in ``keep`` (the paths seen this run);
+        a cache never read is left as it is.
+        """
+        if self._entries is None:
+            return
         if keep is not None:
             stale = set(self.entries) - set(keep)
             for path in stale:
@@ -239,7 +253,93 @@ class Ignore:
 _entry_name = operator.attrgetter("name")
 
 
-def tree_manifest(roots, ignore, cache, seen=None, errors=None):
+def _dir_entries(root, rel_dir, dirpath, real_dir, inside, ignore, cache, old=None, skip=None):
+    """
+    One directory of :func:`tree_manifest`: ``(files, subdirs, clean)``.
+
+    ``files``: ``(name, value, real, error)`` per entry that is no
+    directory and not ignored, ``value`` the manifest entry (``[size, mode,
+    sha256]``) or None when ``error`` (a message to report) says why not;
+    ``subdirs``: ``(name, full path, real path or None for a symlink)``;
+    ``clean``: no symlink and no error in it (its result may be reused while
+    the directory does not change, :class:`DirRecords`).  ``old``: this
+    directory's record from the last walk, whose hashes are reused for
+    files with the same inode, size and mtime.  ``skip``: a predicate on
+    the relative path of a file left out before it is even statted (a path
+    an earlier root already serves); a result with files skipped is not
+    complete, and is never recorded.  Raises ``OSError`` when the directory
+    cannot be listed.
+    """
+    entries = sorted(os.scandir(dirpath), key=_entry_name)
+    known = {f[0]: f for f in old["files"]} if old else {}
+    files, subdirs, clean = [], [], True
+    real_prefix = real_dir if real_dir.endswith(os.sep) else real_dir + os.sep
+    rel_prefix = f"{rel_dir}/" if rel_dir else ""
+    for entry in entries:
+        name = entry.name
+        if name.startswith(fsutil.TEMP_PREFIX):
+            continue  # a sync writing here: its temporary files
+        rel = rel_prefix + name
+        full = entry.path
+        try:
+            is_dir = entry.is_dir()  # follows symlinks, as Salt does
+        except OSError:
+            is_dir = False
+        link = entry.is_symlink()
+        if is_dir:
+            if not ignore.active or not (ignore(rel + "/", full + "/") or ignore(rel, full)):
+                subdirs.append((name, full, None if link else real_prefix + name))
+                clean = clean and not link
+            continue
+        if (skip is not None and skip(rel)) or (ignore.active and ignore(rel, full)):
+            continue
+        clean = clean and not link
+        real = os.path.realpath(full) if link else real_prefix + name
+        if link and not real.startswith(inside):
+            files.append((name, None, real,
+                          f"{root}: {rel}: symlink leads outside the root, not replicated"))
+            continue
+        try:
+            st = entry.stat()
+        except FileNotFoundError as exc:
+            clean = False
+            files.append((name, None, real, f"{root}: {rel}: {exc.strerror}"))
+            continue
+        except OSError as exc:
+            clean = False
+            files.append((name, None, real, Damaged(f"{root}: {rel}: {exc.strerror}", rel)))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        was = known.get(name)
+        if (was is not None and not link and was[4] == st.st_ino and was[1] == st.st_size
+                and was[5] == st.st_mtime_ns and not cache.rehash):
+            sha = was[3]
+        elif old is not None and not link:
+            # the directory's record is its cache: the hash cache (every
+            # file of the roots) is neither read nor rewritten for a few files
+            try:
+                sha = sha256_file(real)
+            except OSError as exc:
+                clean = False
+                files.append((name, None, real,
+                              Damaged(f"{root}: {rel}: unreadable: {exc.strerror}", rel)))
+                continue
+            cache.hashed += 1
+        else:
+            try:
+                sha = cache.sha256(real, st)
+            except OSError as exc:
+                clean = False
+                files.append((name, None, real,
+                              Damaged(f"{root}: {rel}: unreadable: {exc.strerror}", rel)))
+                continue
+        files.append((name, [st.st_size, stat.S_IMODE(st.st_mode), sha, st.st_ino,
+                             st.st_mtime_ns], real, None))
+    return files, subdirs, clean
+
+
+def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
     """
     The merged view Salt serves for one saltenv: ``rel -> [size, mode, sha256]``.
 
@@ -247,6 +347,9 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
     Symlinks are followed only while their target stays inside the root;
     others are reported in ``errors`` and left out.  One ``stat`` per file
     and a ``realpath`` only of a symlink: unchanged files are never read.
+    ``records``: a :class:`DirRecords`; a directory it vouches for is taken
+    from the last walk without being listed, and every clean directory
+    listed is recorded for the next walk.
     """
     ret = {}
     errors = errors if errors is not None else []
@@ -268,66 +371,135 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None):
             if real_dir in ancestors:
                 continue  # a symlink loop inside the root
             ancestors = ancestors | {real_dir}
-            try:
-                entries = sorted(os.scandir(dirpath), key=_entry_name)
-            except OSError as exc:
-                errors.append(Damaged(f"{root}: {rel_dir or '.'}: {exc.strerror}",
-                                      f"{rel_dir}/" if rel_dir else "/"))
-                continue
-            subdirs = []
-            real_prefix = real_dir if real_dir.endswith(os.sep) else real_dir + os.sep
+            found = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
+                     else None)
+            if found is None:
+                try:
+                    found = _dir_entries(
+                        root, rel_dir, dirpath, real_dir, inside, ignore, cache,
+                        old=records.old(real_dir) if records is not None else None,
+                        # without records, a path already served is never statted
+                        skip=ret.__contains__ if records is None else None)
+                except OSError as exc:
+                    errors.append(Damaged(f"{root}: {rel_dir or '.'}: {exc.strerror}",
+                                          f"{rel_dir}/" if rel_dir else "/"))
+                    continue
+                if records is not None:
+                    records.record(real_dir, rel_dir, *found)
+            files, subdirs, _clean = found
             rel_prefix = f"{rel_dir}/" if rel_dir else ""
-            for entry in entries:
-                name = entry.name
-                if name.startswith(fsutil.TEMP_PREFIX):
-                    continue  # a sync writing here: its temporary files
+            for name, value, real, error in files:
                 rel = rel_prefix + name
-                full = entry.path
-                try:
-                    is_dir = entry.is_dir()  # follows symlinks, as Salt does
-                except OSError:
-                    is_dir = False
-                if is_dir:
-                    if not ignore.active or not (ignore(rel + "/", full + "/")
-                                                 or ignore(rel, full)):
-                        subdirs.append((rel, full, ancestors, None if entry.is_symlink()
-                                        else real_prefix + name))
+                if rel in ret:
                     continue
-                if rel in ret or (ignore.active and ignore(rel, full)):
-                    continue
-                link = entry.is_symlink()
-                real = os.path.realpath(full) if link else real_prefix + name
-                if link and not real.startswith(inside):
-                    errors.append(f"{root}: {rel}: symlink leads outside the root, not replicated")
-                    continue
-                try:
-                    st = entry.stat()
-                except FileNotFoundError as exc:
-                    errors.append(f"{root}: {rel}: {exc.strerror}")
-                    continue
-                except OSError as exc:
-                    errors.append(Damaged(f"{root}: {rel}: {exc.strerror}", rel))
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                try:
-                    sha = cache.sha256(real, st)
-                except OSError as exc:
-                    errors.append(Damaged(f"{root}: {rel}: unreadable: {exc.strerror}", rel))
+                if error is not None:
+                    errors.append(error)
                     continue
                 if seen is not None:
                     seen.append(real)
-                ret[rel] = [st.st_size, stat.S_IMODE(st.st_mode), sha]
-            stack.extend(reversed(subdirs))
+                ret[rel] = value[:3]
+            stack.extend((rel_prefix + name, full, ancestors, real)
+                         for name, full, real in reversed(subdirs))
     return ret
 
 
-def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None):
+class DirRecords:
+    """
+    The directories of the last roots walk, saved in ``state_dir``
+    (:data:`ROOTS_DIRS`) with the token of the watcher (:mod:`watch`) they
+    were read at.  A directory the watcher vouches for (in a watched tree,
+    no change in it since that token) is taken as it was, without a
+    syscall; any other is listed (:func:`_dir_entries`), and recorded when
+    clean.  Only a watcher makes a record trusted: without one the walk
+    lists every directory, as it always did.
+    """
+
+    def __init__(self, state_dir, ignore):
+        self.path = os.path.join(state_dir, ROOTS_DIRS)
+        self.ignore_key = [[r.pattern for r in ignore.regex], list(ignore.glob)]
+        data = _read_json(self.path)
+        good = (isinstance(data, dict) and data.get("ignore") == self.ignore_key
+                and isinstance(data.get("dirs"), dict) and isinstance(data.get("token"), dict))
+        self._old = data["dirs"] if good else {}
+        #: the watcher's token the saved records were read at (None: none)
+        self.token = data["token"] if good else None
+        self.new = {}
+        self._trees = ()
+        self._dirty = frozenset()
+        self.reused = 0
+
+    def use(self, reply):
+        """
+        Trust what the watcher's ``reply`` (to a query with :attr:`token`)
+        vouches for: the trees it watches, none nested in another (one
+        directory, one watch), less the directories changed since.
+        """
+        changed = reply.get("changed")
+        if not isinstance(changed, dict) or self.token is None:
+            return
+        trees = [t for t in reply.get("trees") or () if isinstance(t, str)]
+        unwatched = set(reply.get("unwatched") or ())
+        nested = {t for t in trees for u in trees
+                  if t != u and (t.startswith(u.rstrip(os.sep) + os.sep)
+                                 or u.startswith(t.rstrip(os.sep) + os.sep))}
+        vouched, dirty = [], set()
+        for tree in trees:
+            rels = changed.get(tree)
+            if tree in unwatched or tree in nested or not isinstance(rels, list):
+                continue
+            vouched.append(tree.rstrip(os.sep) + os.sep)
+            dirty.update(os.path.join(tree, rel) if rel else tree for rel in rels)
+        self._trees, self._dirty = tuple(vouched), frozenset(dirty)
+
+    def _vouched(self, real_dir):
+        return real_dir not in self._dirty and (real_dir + os.sep).startswith(self._trees)
+
+    def old(self, real_dir):
+        """The saved record of ``real_dir`` (None: none)."""
+        rec = self._old.get(real_dir)
+        return rec if isinstance(rec, dict) else None
+
+    def reuse(self, real_dir, rel_dir, dirpath):
+        """
+        :func:`_dir_entries`' result for ``real_dir`` as recorded, when the
+        watcher vouches it did not change and it was recorded at the same
+        place in its root; else None (list it).
+        """
+        rec = self.old(real_dir)
+        if rec is None or rec.get("rel") != rel_dir or not self._vouched(real_dir):
+            return None
+        try:
+            prefix = real_dir + os.sep
+            files = [(f[0], f[1:], prefix + f[0], None) for f in rec["files"]]
+            subdirs = [(name, os.path.join(dirpath, name), prefix + name)
+                       for name in rec["subdirs"]]
+        except (KeyError, TypeError, IndexError):
+            return None
+        self.new[real_dir] = rec
+        self.reused += 1
+        return files, subdirs, True
+
+    def record(self, real_dir, rel_dir, files, subdirs, clean):
+        """Keep a clean listing for the next walk (any other is listed again)."""
+        if clean:
+            self.new[real_dir] = {"rel": rel_dir,
+                                  "files": [[name] + value for name, value, _r, _e in files],
+                                  "subdirs": [name for name, _f, _r in subdirs]}
+
+    def save(self, token):
+        """Save the records of this walk, read at the watcher's ``token``."""
+        fsutil.makedirs(os.path.dirname(self.path), mode=0o700)
+        fsutil.atomic_write(self.path, json.dumps({"token": token, "ignore": self.ignore_key,
+                                                   "dirs": self.new}),
+                            mode=0o600, durable=False)
+
+
+def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None, records=None):
     """``{saltenv: tree_manifest}`` for a ``file_roots``/``pillar_roots`` mapping."""
     ret = {}
     for env, roots in sorted((roots_by_env or {}).items()):
         found = []
-        ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found)
+        ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found, records=records)
         for error in found:
             if isinstance(error, Damaged):
                 error.where = env
@@ -348,25 +520,44 @@ def damaged_sources(errors):
     return ret
 
 
-def read_roots(opts, categories, state_dir, rescan=False, later=None):
+def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None):
     """
     ``({category: roots_manifest}, {category: errors})`` of the
     ``file_roots``/``pillar_roots`` among ``categories``, through the roots
     hash cache in ``state_dir`` (entries of files no longer served dropped
     when both were read).  ``rescan``: hash every file again, whatever the
     cache says (like ``rsync -c``).  ``later``: a :class:`fsutil.Later`
-    the cache's save is put off to.
+    the cache's save is put off to.  ``watch``: a function asking the
+    watcher which directories changed since a token (:func:`watch.query`
+    bound to its socket); when it answers, the directories it vouches for
+    are not listed (:class:`DirRecords`).
     """
     cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
     if not cats:
         return {}, {}
     cache = open_hashcache(state_dir, ROOTS_HASHCACHE)
     cache.rehash = bool(rescan)
+    ignore = Ignore.from_opts(opts)
+    records = reply = None
+    if watch is not None:
+        records = DirRecords(state_dir, ignore)
+        reply = watch(records.token)
+        if not isinstance(reply, dict) or not reply.get("session"):
+            records = reply = None  # no watcher: every directory listed
+        elif not rescan:
+            records.use(reply)
     seen, mans, errors = [], {}, {}
     for cat in cats:
         errors[cat] = []
-        mans[cat] = roots_manifest(opts.get(cat), Ignore.from_opts(opts), cache, seen=seen,
-                                   errors=errors[cat])
+        mans[cat] = roots_manifest(opts.get(cat), ignore, cache, seen=seen,
+                                   errors=errors[cat], records=records)
+    if records is not None:
+        log.debug("multimaster: roots read at watcher token %s, %d director(ies) unlisted",
+                  reply.get("seq"), records.reused)
+        # only what this walk listed or vouched for is saved (the records of
+        # a category not read now would be trusted at a token later than theirs)
+        fsutil.now_or_later(later, records.save,
+                            {"session": reply["session"], "seq": reply.get("seq")})
     fsutil.now_or_later(later, cache.save, keep=seen if len(cats) == 2 else None)
     return mans, errors
 
@@ -630,13 +821,19 @@ class KeysSnapshot:
     any other key file rewritten in place is seen at the next change of its
     directory, or with ``rescan``.
 
+    With ``watch`` (:func:`watch.client` of the master's watcher, which
+    watches its pki_dir), a key dir the watcher vouches did not change since
+    the snapshot is taken from it whatever its stamp, and in a changed one
+    only the keys it names are statted (no listing of the dir), unless the
+    dir held a key that could not be used.
+
     ``digest``, ``counts`` (keys per state dir) and ``errors`` are set at
     once; ``manifest`` and ``parts`` on first use.  ``reused``: no key dir
     was listed; ``hashed``: keys read.  ``later``: a :class:`fsutil.Later`
     the save of a new listing is put off to.
     """
 
-    def __init__(self, pki_dir, state_dir, rescan=False, later=None):
+    def __init__(self, pki_dir, state_dir, rescan=False, later=None, watch=None):
         self.pki_dir = pki_dir
         self.state_dir = state_dir
         self.meta_path = os.path.join(state_dir, KEYS_SNAPSHOT)
@@ -654,7 +851,12 @@ class KeysSnapshot:
                      else {})
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
-        unchanged = set() if rescan else self._unchanged(stamps)
+        unchanged, names, self._token = None, {}, None
+        if watch is not None:
+            unchanged, names, self._token = self._watched(watch, rescan)
+        if unchanged is None:
+            # no watcher's word: the stamps of the key dirs
+            unchanged = set() if rescan else self._unchanged(stamps)
         self.reused = len(unchanged) == len(KEY_STATES) and os.path.isfile(self.manifest_path)
         if self.reused:
             self.digest = self.meta["digest"]
@@ -663,7 +865,39 @@ class KeysSnapshot:
             self.damaged = {state: list(self.meta["damaged"].get(state) or [])
                             for state in KEY_STATES if self.meta["damaged"].get(state)}
         else:
-            self._scan(stamps, unchanged)
+            self._scan(stamps, unchanged, names)
+
+    def _watched(self, watch, rescan):
+        """
+        ``(unchanged dirs, {dir: names of its changed keys}, token)`` from
+        the watcher; unchanged None when it cannot vouch for the pki_dir (a
+        new session, events lost, ``rescan``...), token None too when there
+        is no watcher.
+        """
+        reply = watch(self.meta.get("watch") if self.meta else None)
+        tree = os.path.realpath(self.pki_dir)
+        if not isinstance(reply, dict) or not reply.get("session") or (
+                tree not in (reply.get("trees") or ()) or tree in (reply.get("unwatched") or ())):
+            return None, {}, None
+        token = {"session": reply["session"], "seq": reply["seq"]}
+        changed = (reply.get("changed") or {}).get(tree)
+        others = [t for t in reply["trees"] if t != tree and isinstance(t, str)
+                  and (t.startswith(tree + os.sep) or tree.startswith(t.rstrip(os.sep) + os.sep))]
+        if rescan or not isinstance(changed, list) or others:
+            return None, {}, token
+        found = ((reply.get("names") or {}).get(tree)) or {}
+        errors = self.meta.get("errors") or {}
+        unchanged, names = set(), {}
+        for state in KEY_STATES:
+            if state not in changed:
+                unchanged.add(state)
+                continue
+            known = found.get(state)
+            # a dir holding a key that could not be used is listed (its
+            # errors are per dir); "" is the dir itself
+            if isinstance(known, list) and "" not in known and not errors.get(state):
+                names[state] = known
+        return unchanged, names, token
 
     def _stamps(self):
         return {state: _dir_stamp(os.path.join(self.pki_dir, state)) for state in KEY_STATES}
@@ -716,7 +950,13 @@ class KeysSnapshot:
             return self.digest, lambda: self.parts
         return self._previous
 
-    def _scan(self, stamps, unchanged=()):
+    def _scan(self, stamps, unchanged=(), names=None):
+        """
+        List the key dirs not in ``unchanged``; of those in ``names``
+        (``{state: [ids]}``: what changed in it, from the watcher), only
+        these keys are statted, the others taken from the snapshot.
+        """
+        names = names or {}
         clock = _fs_clock(self.state_dir, [stamp for state, stamp in stamps.items()
                                            if state not in unchanged])
         taken = time.time_ns()
@@ -732,6 +972,11 @@ class KeysSnapshot:
                 entries[state] = previous[state]
                 errors[state] = list(self.meta["errors"][state])
                 damaged[state] = list(self.meta["damaged"].get(state) or [])
+            elif state in names and state in previous:
+                errors[state] = []
+                entries[state] = _update_key_dir(self.pki_dir, state, previous[state],
+                                                 names[state], written.get, errors[state])
+                damaged[state] = damaged_sources(errors[state]).get(state, [])
             else:
                 errors[state] = []
                 entries[state] = _list_key_dir(self.pki_dir, state, previous.get(state) or {},
@@ -746,8 +991,10 @@ class KeysSnapshot:
         self.digest = bucket_digests(self.parts)
         self.counts = {state: len(keys) for state, keys in man.items()}
         self.errors = [e for state in KEY_STATES for e in errors[state]]
-        if self._stamps() != stamps:
-            return  # a key dir changed while it was listed: list it again next time
+        if self._token is None and self._stamps() != stamps:
+            # a key dir changed while it was listed: list it again next time
+            # (with a watcher, its token was taken before: it tells next time)
+            return
         # what was remembered of these keys (remember()) holds while they are
         # the same: a key dir listed again only because it changed moments
         # before the last listing (RACY_NS) keeps it
@@ -757,7 +1004,8 @@ class KeysSnapshot:
                  for state in REWRITTEN_IN_PLACE}
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
-                                  "errors": errors, "damaged": damaged, "files": files})
+                                  "errors": errors, "damaged": damaged, "files": files,
+                                  "watch": self._token})
         fsutil.now_or_later(self._later, self._save, entries)
 
     def _save(self, entries):
@@ -804,7 +1052,36 @@ class KeysSnapshot:
 
 
 _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
-                "damaged", "files")
+                "damaged", "files", "watch")
+
+
+def _update_key_dir(pki_dir, state, known, names, get_cache, errors):
+    """
+    :func:`_list_key_dir`'s result for one key dir from the last one
+    (``known``), with only the keys ``names`` statted again: the ones the
+    watcher says changed.
+    """
+    ret = dict(known)
+    for name in names:
+        ret.pop(name, None)
+        if name.startswith("."):
+            continue
+        full = os.path.join(pki_dir, state, name)
+        was = known.get(name)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue  # removed
+        except OSError:
+            st = None
+        if (st is not None and was is not None and stat.S_ISREG(st.st_mode)
+                and was[0] == st.st_ino and was[1] == st.st_size and was[2] == st.st_mtime_ns):
+            ret[name] = was
+            continue
+        cache = get_cache()
+        if _key_entry(state, name, full, cache, errors) is not None:
+            ret[name] = cache.entries[full]
+    return ret
 
 
 def _file_stamps(pki_dir, state):

@@ -23,9 +23,15 @@ import time
 import salt.utils.yaml
 
 from salt_multimaster import (backup, compat, daemon, finger, fsutil, layout, lock, manifest,
-                              protocol, replicate, seal, validate)
+                              protocol, replicate, seal, validate, watch)
 
 log = logging.getLogger(__name__)
+
+#: an apply records the hashes of the files it wrote in the hash caches
+#: (megabytes of JSON at tens of thousands of files, read and rewritten)
+#: only from this many files or bytes on; fewer are read again next time
+RECORD_HASHES_MIN_FILES = 64
+RECORD_HASHES_MIN_BYTES = 4 << 20
 
 HISTORY_NAME = "minion_keys_history.json"
 # Errors a peer sends back per category, at most (Salt trims larger returns).
@@ -168,7 +174,10 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    roots, roots_errors = manifest.read_roots(mopts, categories, state_dir, rescan=rescan)
+    # the peer master's own watcher, when it runs the engine (its state dir)
+    roots, roots_errors = manifest.read_roots(
+        mopts, categories, state_dir, rescan=rescan,
+        watch=watch.client(layout.state_dir(mopts)))
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -197,7 +206,8 @@ def keys_inventory(mopts, state_dir, digests, rescan=False):
     buckets, and the ids of those buckets received from the primary before.
     While no key dir changed, no key is looked at.
     """
-    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan)
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
+                                 watch=watch.client(layout.state_dir(mopts)))
     diff = manifest.differing(digests, snap.digest)
     wanted = set(diff)
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
@@ -298,13 +308,27 @@ class Applier:
             self.written.append((name, path, cache_path, sha))
 
     def commit(self):
-        """Make every staged write durable, then record the written files' hashes."""
+        """
+        Make every staged write durable, then record the written files'
+        hashes (the next read then does not read them again), unless they
+        are so few and small that reading them again costs less than
+        rewriting the hash cache (:data:`RECORD_HASHES_MIN_BYTES`).
+        """
         try:
             self.batch.commit()
         except OSError as exc:
             raise PeerError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
+        written, self.written = self.written, []
+        sizes = []
+        for _name, path, _cache_path, _sha in written[:RECORD_HASHES_MIN_FILES]:
+            try:
+                sizes.append(os.stat(path).st_size)
+            except OSError:
+                pass
+        if len(written) < RECORD_HASHES_MIN_FILES and sum(sizes) < RECORD_HASHES_MIN_BYTES:
+            return
         caches = {}
-        for name, path, cache_path, sha in self.written:
+        for name, path, cache_path, sha in written:
             try:
                 st = os.stat(path)
             except OSError:
@@ -315,7 +339,6 @@ class Applier:
             caches[name].dirty = True
         for cache in caches.values():
             cache.save()
-        self.written = []
 
     def remove(self, path, rel):
         self.backup(path, rel)

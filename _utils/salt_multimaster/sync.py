@@ -18,7 +18,8 @@ import secrets
 import shutil
 import time
 
-from salt_multimaster import daemon, fsutil, grants, layout, manifest, protocol, replicate, seal
+from salt_multimaster import (daemon, fsutil, grants, layout, manifest, protocol, replicate, seal,
+                              watch)
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     saved = saved or {}
     errors, state = [], {}
     roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                              later=later)
+                                              later=later, watch=watch.client(cache_dir))
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -90,7 +91,8 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     for cat in categories:
         if cat == "minion_keys":
             # no per-key work while no key dir changed
-            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later)
+            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later,
+                                         watch=watch.client(cache_dir))
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}

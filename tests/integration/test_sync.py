@@ -132,7 +132,7 @@ def _after_sync(cluster, peer, pm):
         "prod": sorted(p.name for p in cluster.file_root(peer, "prod").iterdir()),
         "pillar_data": (cluster.file_root(peer, kind="pillar_roots") / "data.sls").read_text(),
         "dropin": dropin.read_text(),
-        "hashcache": json.loads(cache.read_text()),
+        "hashcache": json.loads(cache.read_text()) if cache.exists() else {},
         "init": (str(init), init.stat(), hashlib.sha256(init.read_bytes()).hexdigest()),
     }
 
@@ -258,10 +258,11 @@ def test_sync_replicates_everything(cluster, first_run):
         assert peer["prod"] == ["prod.sls"]
         assert "s3cr3t-pillar" in peer["pillar_data"]
         assert "webs" in peer["dropin"]
-        # what was written is in the peer's hash cache: the next inventory
-        # stats it and never reads it again
-        init, st, digest = peer["init"]
-        assert peer["hashcache"][init] == [st.st_ino, st.st_size, st.st_mtime_ns, digest]
+        # a few small files written are not recorded in the peer's hash
+        # cache (rewriting it costs more than the next inventory reading
+        # them again; tests/unit/test_dir_records.py checks the threshold)
+        init, _st, _digest = peer["init"]
+        assert init not in peer["hashcache"]
     # the publishes, which every minion receives, carry nothing but routing:
     # the arguments are sealed to each peer (the operations themselves came
     # with the first pulled chunk)

@@ -1,0 +1,277 @@
+"""
+The roots walk with a watcher (manifest.DirRecords): a directory the watcher
+vouches for is not listed, and the manifest is the one a full walk gives.
+
+The watcher here is a fake that answers from the directories the test says it
+changed; tests/unit/test_watch.py tests the real one, and
+test_read_roots_with_the_real_watcher below ties the two.
+"""
+
+import os
+import random
+
+import pytest
+
+from salt_multimaster import manifest
+
+
+class FakeWatcher:
+    """Answers ``watch.query`` from the directories :meth:`touch` was told of."""
+
+    def __init__(self, trees):
+        self.trees = sorted(os.path.realpath(t) for t in trees)
+        self.session, self.seq, self.log = "s1", 0, []
+        self.unwatched = []
+        self.asked = []
+
+    def touch(self, path):
+        """``path``: a directory whose entries changed."""
+        path = os.path.realpath(path)
+        for tree in self.trees:
+            if path == tree or path.startswith(tree + os.sep):
+                self.seq += 1
+                self.log.append((self.seq, tree, os.path.relpath(path, tree).replace(".", "", 1)
+                                 if path == tree else os.path.relpath(path, tree)))
+
+    def __call__(self, since):
+        self.asked.append(since)
+        ok = (isinstance(since, dict) and since.get("session") == self.session
+              and since.get("seq", -1) <= self.seq)
+        changed = None
+        if ok:
+            changed = {t: sorted({rel for seq, tree, rel in self.log
+                                  if tree == t and seq > since["seq"]})
+                       for t in self.trees if t not in self.unwatched}
+        return {"session": self.session, "seq": self.seq, "trees": self.trees,
+                "unwatched": self.unwatched, "changed": changed, "error": None}
+
+
+def _opts(roots_a, roots_b, ignore_glob=None):
+    return {"file_roots": {"base": [str(roots_a), str(roots_b)], "dev": [str(roots_b)]},
+            "pillar_roots": {}, "file_ignore_regex": [], "file_ignore_glob": ignore_glob or []}
+
+
+def _read(opts, state, watch=None, rescan=False):
+    mans, errors = manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state),
+                                       rescan=rescan, watch=watch)
+    return mans, sorted(map(str, errors["file_roots"]))
+
+
+def _full(opts, tmp_path):
+    """What a walk without a watcher and without caches reads."""
+    state = tmp_path / f"fresh-{random.random()}"
+    return _read(opts, state)
+
+
+def _count_listings(monkeypatch):
+    listed = []
+    real = os.scandir
+
+    def scandir(path):
+        listed.append(path)
+        return real(path)
+
+    monkeypatch.setattr(manifest.os, "scandir", scandir)
+    return listed
+
+
+@pytest.fixture(name="tree")
+def _tree(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        (root / "top" / "mid").mkdir(parents=True)
+        (root / "x.sls").write_text(f"x of {root.name}")
+        (root / "top" / "y.sls").write_text("y")
+        (root / "top" / "mid" / "z.sls").write_text("z")
+    (a / "a.swp").write_text("swap")
+    (b / "only-b.sls").write_text("b")
+    return a, b
+
+
+def test_unchanged_directories_are_not_listed(tree, tmp_path, monkeypatch):
+    a, b = tree
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    first = _read(opts, state, fake)  # no token yet: every directory listed, then recorded
+    assert fake.asked == [None]
+    listed = _count_listings(monkeypatch)
+    assert _read(opts, state, fake) == first
+    assert fake.asked[-1] == {"session": "s1", "seq": 0}
+    assert listed == []
+    # one file changed in place: only its directory is listed again
+    (b / "top" / "mid" / "z.sls").write_text("z2")
+    fake.touch(b / "top" / "mid")
+    again = _read(opts, state, fake)
+    assert listed == [str(b / "top" / "mid")] * 2  # served in base and in dev
+    assert again == _full(opts, tmp_path)
+    assert again[0]["file_roots"]["dev"]["top/mid/z.sls"] != first[0]["file_roots"]["dev"]["top/mid/z.sls"]
+
+
+def test_a_watcher_that_says_nothing_changed_is_believed(tree, tmp_path):
+    """The test of the tests: reuse is real (a lie gives the stale manifest)."""
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    first = _read(opts, state, fake)
+    _read(opts, state, fake)
+    (a / "x.sls").write_text("changed, and the watcher is not told")
+    assert _read(opts, state, fake) == first
+    assert _full(opts, tmp_path) != first
+
+
+@pytest.mark.parametrize("how", ["no-token", "session", "unwatched", "nested", "ignore",
+                                 "rescan", "no-watcher"])
+def test_every_directory_is_listed_when_the_watcher_cannot_vouch(tree, tmp_path, monkeypatch,
+                                                                 how):
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    _read(opts, state, fake)
+    (a / "x.sls").write_text("changed, the watcher not told")
+    rescan = False
+    watch = fake
+    if how == "no-token":
+        (state / manifest.ROOTS_DIRS).unlink()
+    elif how == "session":
+        fake.session = "s2"  # the watcher restarted: events may be lost
+    elif how == "unwatched":
+        fake.unwatched = [os.path.realpath(a)]
+    elif how == "nested":
+        fake.trees.append(os.path.realpath(a / "top"))
+    elif how == "ignore":
+        opts["file_ignore_glob"] = ["*.tmp"]
+    elif how == "rescan":
+        rescan = True
+    elif how == "no-watcher":
+        watch = lambda since: None  # noqa: E731  (the socket is gone)
+    listed = _count_listings(monkeypatch)
+    got = _read(opts, state, watch, rescan=rescan)
+    assert got == _full(opts, tmp_path)
+    assert str(a) in listed
+
+
+def test_random_changes_read_as_a_full_walk_does(tree, tmp_path):
+    """
+    Files added, rewritten in place, chmodded, removed; directories added
+    with files and removed; symlinks and unreadable files: after each round
+    the watched read equals a full walk, errors included.
+    """
+    a, b = tree
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    rng = random.Random(17)
+    _read(opts, state, fake)
+    for _ in range(40):
+        for _ in range(rng.randint(1, 4)):
+            root = rng.choice([a, b])
+            dirs = [root] + [p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()]
+            d = rng.choice(dirs)
+            files = [p for p in d.iterdir() if p.is_file() and not p.is_symlink()]
+            op = rng.choice(["add", "write", "chmod", "rm", "mkdir", "rmdir", "link", "swp"])
+            if op == "add" or (op in ("write", "chmod", "rm") and not files):
+                (d / f"f{rng.randrange(1000)}.sls").write_text(str(rng.random()))
+            elif op == "write":
+                with open(rng.choice(files), "r+b") as fh:
+                    fh.write(os.urandom(4))
+            elif op == "chmod":
+                rng.choice(files).chmod(rng.choice([0o600, 0o644, 0o755]))
+            elif op == "rm":
+                rng.choice(files).unlink()
+            elif op == "mkdir":
+                new = d / f"d{rng.randrange(1000)}" / "inner"
+                new.mkdir(parents=True, exist_ok=True)
+                (new / "n.sls").write_text("n")
+                for p in [new.parent, new]:
+                    fake.touch(p)
+            elif op == "rmdir" and d != root:
+                for p in sorted(d.rglob("*"), reverse=True):
+                    p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+                d.rmdir()
+                fake.touch(d.parent)
+                continue
+            elif op == "link" and files:
+                link = d / f"l{rng.randrange(1000)}.sls"
+                if not os.path.lexists(link):
+                    link.symlink_to(rng.choice(files).name)
+            elif op == "swp":
+                (d / f"s{rng.randrange(10)}.swp").write_text("ignored")
+            fake.touch(d)
+        assert _read(opts, state, fake) == _full(opts, tmp_path)
+
+
+def test_read_roots_with_the_real_watcher(tree, tmp_path, monkeypatch):
+    """
+    The real watcher serving on a socket whose path is too long for a unix
+    socket (reached through /proc/self/fd): a change is seen, the unchanged
+    directories are not listed, and a stopped watcher means a full walk.
+    """
+    import threading
+
+    from salt_multimaster import watch
+
+    a, b = tree
+    opts = _opts(a, b, ["*.swp"])
+    state = tmp_path / ("long-" * 20) / "multimaster"
+    state.mkdir(parents=True)
+    assert len(str(watch.socket_path(str(state)))) > 108
+    watcher = watch.Watcher(watch.master_trees(opts))
+    watcher.start()
+    stop = threading.Event()
+    server = threading.Thread(target=watch.serve,
+                              args=(watcher, watch.socket_path(str(state)), stop, 0.05))
+    server.start()
+    try:
+        ask = watch.client(str(state))
+        for _ in range(100):  # the server binds its socket
+            if ask(None) is not None:
+                break
+            threading.Event().wait(0.02)
+        first = manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state), watch=ask)
+        listed = _count_listings(monkeypatch)
+        (a / "top" / "y.sls").write_text("y, again")
+        (b / "new" / "deeper").mkdir(parents=True)
+        (b / "new" / "deeper" / "n.sls").write_text("n")
+        second = manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state), watch=ask)
+        assert sorted(set(listed)) == sorted([str(a / "top"), str(b), str(b / "new"),
+                                              str(b / "new" / "deeper")])
+        assert (second[0], sorted(map(str, second[1]["file_roots"]))) == _full(opts, tmp_path)
+        assert second != first
+    finally:
+        stop.set()
+        server.join()
+        watcher.close()
+    assert watch.client(str(state))(None) is None  # no socket left: a full walk, at once
+
+
+@pytest.mark.parametrize("files,size,recorded", [(2, 10, False), (2, 5 << 20, True),
+                                                  (70, 10, True)])
+def test_an_apply_records_the_hashes_it_wrote_only_when_it_pays(tmp_path, files, size,
+                                                                 recorded):
+    """
+    The peer records what it wrote in its hash cache (megabytes of JSON,
+    read and rewritten) only for many or large files; a few small ones are
+    read again by the next inventory instead.
+    """
+    import hashlib
+    import json
+
+    from salt_multimaster import peer
+
+    root = tmp_path / "root"
+    root.mkdir()
+    state = tmp_path / "state"
+    app = peer.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
+    data = b"x" * size
+    sha = hashlib.sha256(data).hexdigest()
+    for i in range(files):
+        path = str(root / f"f{i}")
+        app.write(path, data, 0o644, f"file_roots/base/f{i}", sha, cache_path=path)
+    app.commit()
+    cache = state / manifest.ROOTS_HASHCACHE
+    assert cache.exists() is recorded
+    if recorded:
+        st = os.stat(root / "f0")
+        assert json.loads(cache.read_text())[str(root / "f0")] == [
+            st.st_ino, st.st_size, st.st_mtime_ns, sha]
+    assert app.written == []
