@@ -2,7 +2,7 @@
 salt-multimaster: safe and boring Salt multi-master high availability.
 
 The loader modules live at the repository root (``_runners``, ``_modules``,
-``_states``, ``_output``) so that the repository also works as a ``file_roots``/gitfs root.
+``_states``, ``_output``, ``_engines``) so that the repository also works as a ``file_roots``/gitfs root.
 For ``pip install`` they are packaged inside ``salt_multimaster`` and found by
 Salt through the ``salt.loader`` entry point.
 """
@@ -23,6 +23,7 @@ setup(
         "salt_multimaster.modules",
         "salt_multimaster.states",
         "salt_multimaster.output",
+        "salt_multimaster.engines",
     ],
     package_dir={
         "salt_multimaster": "_utils/salt_multimaster",
@@ -30,6 +31,7 @@ setup(
         "salt_multimaster.modules": "_modules",
         "salt_multimaster.states": "_states",
         "salt_multimaster.output": "_output",
+        "salt_multimaster.engines": "_engines",
     },
     install_requires=["salt>=3006", "pyyaml"],
     extras_require={

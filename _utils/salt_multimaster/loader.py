@@ -2,22 +2,22 @@
 Entry point for Salt's loader (group ``salt.loader``).
 
 ``loader_dirs`` returns the directories holding this extension's runners,
-execution modules, states and outputter.  In an installed wheel they are copied beside
-this file (``runners/``, ``modules/``, ``states/``, ``output/``); in a source tree or an
-editable install they are the repository's ``_runners``, ``_modules``,
-``_states`` and ``_output``.
+execution modules, states, outputter and engine.  In an installed wheel they are copied
+beside this file (``runners/``, ``modules/``, ``states/``, ``output/``, ``engines/``); in a
+source tree or an editable install they are the repository's ``_runners``, ``_modules``,
+``_states``, ``_output`` and ``_engines``.
 """
 
 import os
 
 _KINDS = {"runners": "_runners", "modules": "_modules", "states": "_states",
-          "output": "_output"}
+          "output": "_output", "engines": "_engines"}
 
 
 def loader_dirs():
     """
-    Return ``{"runners": [...], "modules": [...], "states": [...], "output": [...]}``
-    for Salt.
+    Return ``{"runners": [...], "modules": [...], "states": [...], "output": [...],
+    "engines": [...]}`` for Salt.
     """
     here = os.path.dirname(os.path.abspath(__file__))
     repo_root = os.path.dirname(os.path.dirname(here))
