@@ -11,12 +11,15 @@ what the ``multimaster`` states call.  The logic lives in the
 ``finger``, ``restart``); this module only reads Salt's dunders.
 """
 
+import glob
 import logging
 import os
 
 import salt.config
 import salt.utils.args
 import salt.utils.data
+import salt.utils.files
+import salt.utils.yaml
 from salt.exceptions import CommandExecutionError, SaltInvocationError
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,7 @@ try:
     from salt_multimaster import audit as audit_core
     from salt_multimaster import masters as master_entries
     from salt_multimaster import minion_config as conf_core
-    from salt_multimaster import protocol, restart, validate
+    from salt_multimaster import protocol, restart, validate, watch
     from salt_multimaster.layout import TOPOLOGIES
 
     HAS_CORE = True
@@ -492,3 +495,51 @@ def pull_config(master_config=None):
     if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
         raise CommandExecutionError(f"{path}: multimaster:peers must be a list of minion ids")
     return protocol.peer_run_config(peers)
+
+
+def engines_config(master_config=None, dropin="multimaster-reactor.conf"):
+    """
+    The ``engines`` option the ``salt.multimaster.master`` drop-in writes to
+    run the ``multimaster_watch`` engine (the change journal of the master's
+    roots and key dirs) next to the engines the master runs now: an
+    ``engines`` list in master.d replaces the master file's, so the master
+    file's engines are repeated.  None when the master runs the engine
+    already.
+
+    master_config
+        The master's config file (default: the minion option
+        ``multimaster.master_config``, else /etc/salt/master).
+
+    dropin
+        The drop-in the state writes (left out: its own ``engines``).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master01 multimaster.engines_config
+    """
+    path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
+    if not os.path.isfile(path):
+        raise CommandExecutionError(f"no salt-master configuration at {path}")
+    main = _config_file_option(path, "engines")
+    dropins = [_config_file_option(other, "engines")
+               for other in sorted(glob.glob(os.path.join(os.path.dirname(path), "master.d",
+                                                          "*.conf")))
+               if os.path.basename(other) != dropin]
+    try:
+        return watch.engines_config(main, dropins)
+    except ValueError as exc:
+        raise CommandExecutionError(f"{path}: {exc}") from None
+
+
+def _config_file_option(path, option):
+    """One option of one config file as written (no includes, no defaults)."""
+    try:
+        with salt.utils.files.fopen(path, "r") as fh:
+            data = salt.utils.yaml.safe_load(fh) or {}
+    except (OSError, salt.utils.yaml.YAMLError) as exc:
+        raise CommandExecutionError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise CommandExecutionError(f"{path}: not a mapping of options")
+    return data.get(option)

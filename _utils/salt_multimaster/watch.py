@@ -957,3 +957,44 @@ def client(state_dir, timeout=CLIENT_TIMEOUT):
         return query(path, since, timeout=timeout)
 
     return ask
+
+
+#: the engine's name in a master's ``engines`` option
+ENGINE = "multimaster_watch"
+
+
+def _engine_name(entry):
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, dict) and len(entry) == 1:
+        return next(iter(entry))
+    return None
+
+
+def engines_config(main, dropins):
+    """
+    The ``engines`` option a master.d drop-in must hold so that the master
+    runs the engines it runs now plus :data:`ENGINE`; None when it runs it
+    already (the drop-in then sets no ``engines``).  Salt merges the
+    ``engines`` lists of the master.d files and lets them replace the master
+    file's: a drop-in listing only this engine would stop the others.
+    ``main``: the master file's ``engines`` (None: none); ``dropins``: the
+    ``engines`` of every other master.d file.  ``ValueError`` naming the
+    option when one is not a list.
+    """
+    lists = []
+    for where, value in [("the master file", main)] + [
+            (f"master.d drop-in #{i + 1}", v) for i, v in enumerate(dropins)]:
+        if value is None:
+            lists.append([])
+        elif isinstance(value, list):
+            lists.append(value)
+        else:
+            raise ValueError(f"engines in {where} is not a list: {value!r:.100}")
+    others = [e for value in lists[1:] for e in value]
+    running = others if others else lists[0]
+    if ENGINE in {_engine_name(e) for e in running}:
+        return None
+    # the drop-ins' lists are merged with this one: only the master file's
+    # must be repeated
+    return ([] if others else list(lists[0])) + [{ENGINE: {}}]

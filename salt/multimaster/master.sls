@@ -6,6 +6,12 @@
 # optional schedule for a periodic full `multimaster.sync`.  The master
 # restarts in the background (after the state run returned) when it changed;
 # where it cannot restart (no service manager) the state fails and says so.
+# With pillar multimaster:master:watch: True the drop-in also runs the
+# multimaster_watch engine (the change journal a sync reads instead of every
+# directory, docs/watch.rst).  A peer master's host applies this same state
+# to its own minion to run the engine there (pillar `watch: True` with
+# `reactor: False`: the reactor and the schedule belong to the primary only;
+# a peer has no multimaster:peers, so no peer_run is written).
 {%- from tpldir ~ "/map.jinja" import multimaster with context %}
 {%- set master = multimaster.master %}
 {%- set master_conf = master.config or salt["config.get"]("multimaster.master_config", "/etc/salt/master") %}
@@ -19,6 +25,15 @@
 {%-   set peer_run = salt["multimaster.pull_config"](master_conf) %}
 {%-   if peer_run %}
 {%-     do dataset.update({"peer_run": peer_run}) %}
+{%-   endif %}
+{%- endif %}
+{%- if master.watch %}
+{#-   the change journal of this master's roots and key dirs (Linux inotify);
+      with the engines the master runs now (a master.d engines list replaces
+      the master file's) #}
+{%-   set engines = salt["multimaster.engines_config"](master_conf) %}
+{%-   if engines %}
+{%-     do dataset.update({"engines": engines}) %}
 {%-   endif %}
 {%- endif %}
 {%- if master.sync_interval | int > 0 %}

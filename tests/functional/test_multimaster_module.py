@@ -218,3 +218,37 @@ def test_restart_minion_refuses(mm, minion):
     with pytest.raises(SaltInvocationError, match="cmd must be a non-empty command string"):
         mm.restart_minion(cmd=["true"])
     assert not (minion["state_dir"] / "restart.pending").exists()
+
+
+# ----- engines_config (the multimaster_watch engine next to the master's own) ------------
+@pytest.mark.parametrize("main,dropins,expected", [
+    # the master file's engines are repeated: a master.d list replaces them
+    ("engines: [{reactor_fwd: {x: 1}}]\n", {}, [{"reactor_fwd": {"x": 1}}, {"multimaster_watch": {}}]),
+    # no engines anywhere
+    ("interface: 0.0.0.0\n", {}, [{"multimaster_watch": {}}]),
+    # another drop-in lists engines already: merged with ours, nothing repeated
+    ("engines: [a]\n", {"other.conf": "engines: [b]\n"}, [{"multimaster_watch": {}}]),
+    # running it already (here, or in another drop-in): no engines key
+    ("engines: [multimaster_watch]\n", {}, None),
+    ("", {"other.conf": "engines: [{multimaster_watch: {poll: 2}}]\n"}, None),
+    # our own drop-in's engines never count
+    ("engines: [a]\n", {"multimaster-reactor.conf": "engines: [a, multimaster_watch]\n"},
+     ["a", {"multimaster_watch": {}}]),
+])
+def test_engines_config_keeps_the_engines_the_master_runs(mm, tmp_path, main, dropins,
+                                                         expected):
+    conf = tmp_path / "master"
+    conf.write_text(main)
+    (tmp_path / "master.d").mkdir()
+    for name, text in dropins.items():
+        (tmp_path / "master.d" / name).write_text(text)
+    assert mm.engines_config(str(conf)) == expected
+
+
+def test_engines_config_names_a_bad_option(mm, tmp_path):
+    conf = tmp_path / "master"
+    conf.write_text("engines: multimaster_watch\n")
+    with pytest.raises(CommandExecutionError, match=r"engines in the master file is not a list"):
+        mm.engines_config(str(conf))
+    with pytest.raises(CommandExecutionError, match=r"no salt-master configuration"):
+        mm.engines_config(str(tmp_path / "missing"))
