@@ -30,7 +30,9 @@ median of --repeat runs where the operation can be repeated):
   to all peers vs rsync to the same peers one after another; one new key + one
   changed file vs rsync of the same change (one publish: the primary sends
   the apply with the digests the peer was last confirmed to hold, issue 17
-  item 7; goal <= 0.5x of rsync, net of the floor);
+  item 7; goal <= 0.5x of rsync, net of the floor); the no-op and the change
+  again with the change journal engine (``multimaster_watch``) on every
+  master, the masters restarted with it (``--no-watch``: not);
 * where the time goes: ``salt <peer> test.ping`` and
   ``salt <peer> multimaster_peer.inventory`` (full manifests, then digests
   only), the manifests computed in-process, and cProfile of a no-op sync and
@@ -77,7 +79,13 @@ GOALS = {
     "noop1": (0.5, "no-op sync, 1 peer"),
     "noopN": (0.3, "no-op sync, {n} peers (rsync: {n} one after another)"),
     "change": (0.5, "1 new key + 1 changed file, 1 peer"),
+    "noop1j": (0.5, "no-op sync, 1 peer, journal engine"),
+    "changej": (0.5, "1 new key + 1 changed file, 1 peer, journal engine"),
 }
+
+# the change journal engine (multimaster_watch), on every master for the
+# second part of the change phase
+WATCH_DROPIN = "zz-bench-watch.conf"
 
 INITIAL_TIMEOUT = "timeout=3600"
 
@@ -638,6 +646,60 @@ class Bench:
             self.change(pubs, files, rng, i)
             self.sync([peer1], "sync 1 key + 1 file, 1 peer")
             self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
+        self.journal_phase(peer1, pubs, files, rng, bare=True)
+
+    def journal_phase(self, peer1, pubs, files, rng, bare=False):
+        """
+        The no-op and the change sync again with the change journal engine
+        on every master (``--watch``, default), next to rsync; ``bare``:
+        with the bare floor before each change run, as ``--only change``.
+        """
+        if not self.args.watch:
+            return
+        say("with the change journal engine (multimaster_watch) on every master")
+        self.enable_watch()
+        n = self.args.repeat
+        self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer, journal")
+        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
+        for i in range(n):
+            if bare:
+                self.floor()
+                dropin.write_text("runner_returns: false\n")
+                try:
+                    secs, _ = self.salt_run("test.arg", "bench")
+                    self.record("floor with runner_returns: False", secs)
+                finally:
+                    dropin.unlink()
+            self.change(pubs, files, rng, 500 + i)
+            self.sync([peer1], "sync 1 key + 1 file, 1 peer, journal")
+            self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
+
+    def enable_watch(self):
+        """
+        ``engines: [multimaster_watch]`` on the primary and every peer
+        master, each restarted; then one sync (the journal's first token).
+        """
+        import salt.utils.yaml  # pylint: disable=import-outside-toplevel
+
+        for master in (self.primary, *self.cluster.peers):
+            # an engines list in master.d replaces the master file's (the
+            # harness's event forwarder): both
+            engines = list(master.config.get("engines") or []) + [{"multimaster_watch": {}}]
+            dropin = pathlib.Path(master.config_file).parent / "master.d" / WATCH_DROPIN
+            dropin.parent.mkdir(exist_ok=True)
+            dropin.write_text(salt.utils.yaml.safe_dump({"engines": engines}))
+            self.cluster.restart(master)
+        for peer in self.peer_ids:
+            if not self.cluster.wait_ping(self.primary, peer, deadline=120):
+                raise RuntimeError(f"peer minion {peer} does not answer after the restart")
+        for master in (self.primary, *self.cluster.peers):
+            sock = pathlib.Path(master.config["cachedir"]) / "multimaster" / "watch.sock"
+            end = time.time() + 60
+            while not sock.is_socket():
+                if time.time() > end:
+                    raise RuntimeError(f"no change journal at {sock}")
+                time.sleep(0.2)
+        self.salt_run("multimaster.sync", "peers=" + ",".join(self.peer_ids), check=False)
 
     def run(self):
         if self.args.only == "initial":
@@ -709,6 +771,8 @@ class Bench:
             except Exception as exc:  # pylint: disable=broad-except
                 say(f"  !! {name} failed: {exc}")
                 self.res["notes"].append(f"phase '{name}' failed: {str(exc)[:300]}")
+        # last: it restarts every master with the engine
+        self.journal_phase(peer1, pubs, files, rng)
 
     def profile_change(self, peer):
         pubs = sorted((self.pki / "minions").iterdir())[:3]
@@ -1004,6 +1068,9 @@ print(json.dumps(out))
         if n > 1:
             rows.append(("noopN", f"sync no-op, {n} peers", f"rsync no-op, {n} peers sequentially"))
         rows.append(("change", "sync 1 key + 1 file, 1 peer", "rsync 1 key + 1 file, 1 peer"))
+        rows.append(("noop1j", "sync no-op, 1 peer, journal", "rsync no-op, 1 peer"))
+        rows.append(("changej", "sync 1 key + 1 file, 1 peer, journal",
+                     "rsync 1 key + 1 file, 1 peer"))
         lines = []
         add = lines.append
         args = self.args
@@ -1147,6 +1214,9 @@ def main(argv=None):
     parser.add_argument("--primary-conf", type=_yaml_mapping, default=None,
                         help="YAML mapping added to the primary's config for the whole run, "
                              "e.g. '{runner_returns: False}'")
+    parser.add_argument("--no-watch", dest="watch", action="store_false",
+                        help="skip the second change phase, with the change journal engine "
+                             "(multimaster_watch) on every master")
     parser.add_argument("--worktree", action="store_true",
                         help="measure the working tree instead of the committed HEAD")
     args = parser.parse_args(argv)
