@@ -483,9 +483,7 @@ def pull_config(master_config=None):
 
         salt master01 multimaster.pull_config
     """
-    path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
-    if not os.path.isfile(path):
-        raise CommandExecutionError(f"no salt-master configuration at {path}")
+    path = _master_config_path(master_config)
     conf = salt.config.master_config(path).get("multimaster") or {}
     if not isinstance(conf, dict):
         raise CommandExecutionError(f"{path}: the multimaster option must be a mapping")
@@ -519,9 +517,7 @@ def engines_config(master_config=None, dropin="multimaster-reactor.conf"):
 
         salt master01 multimaster.engines_config
     """
-    path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
-    if not os.path.isfile(path):
-        raise CommandExecutionError(f"no salt-master configuration at {path}")
+    path = _master_config_path(master_config)
     main = _config_file_option(path, "engines")
     dropins = [_config_file_option(other, "engines")
                for other in sorted(glob.glob(os.path.join(os.path.dirname(path), "master.d",
@@ -531,6 +527,14 @@ def engines_config(master_config=None, dropin="multimaster-reactor.conf"):
         return watch.engines_config(main, dropins)
     except ValueError as exc:
         raise CommandExecutionError(f"{path}: {exc}") from None
+
+
+def _master_config_path(master_config):
+    """The master config file meant: the argument, the minion option, /etc/salt/master."""
+    path = master_config or __opts__.get("multimaster.master_config") or "/etc/salt/master"
+    if not os.path.isfile(path):
+        raise CommandExecutionError(f"no salt-master configuration at {path}")
+    return path
 
 
 def _config_file_option(path, option):

@@ -634,19 +634,23 @@ class Bench:
         pubs = sorted((self.pki / "minions").iterdir())[:3]
         files = sorted(p for p in self.base.rglob("*.sls"))
         rng = random.Random(7)
-        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
         for i in range(n):
-            self.floor()
-            dropin.write_text("runner_returns: false\n")
-            try:
-                secs, _ = self.salt_run("test.arg", "bench")
-                self.record("floor with runner_returns: False", secs)
-            finally:
-                dropin.unlink()
+            self.floors()
             self.change(pubs, files, rng, i)
             self.sync([peer1], "sync 1 key + 1 file, 1 peer")
             self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")
         self.journal_phase(peer1, pubs, files, rng, bare=True)
+
+    def floors(self):
+        """Both floors: the default config's, then one with ``runner_returns: False`` (bare)."""
+        self.floor()
+        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
+        dropin.write_text("runner_returns: false\n")
+        try:
+            secs, _ = self.salt_run("test.arg", "bench")
+            self.record("floor with runner_returns: False", secs)
+        finally:
+            dropin.unlink()
 
     def journal_phase(self, peer1, pubs, files, rng, bare=False):
         """
@@ -660,16 +664,9 @@ class Bench:
         self.enable_watch()
         n = self.args.repeat
         self.repeat(n, self.sync, [peer1], "sync no-op, 1 peer, journal")
-        dropin = pathlib.Path(self.conf_dir) / "master.d" / "zz-bench-tuning.conf"
         for i in range(n):
             if bare:
-                self.floor()
-                dropin.write_text("runner_returns: false\n")
-                try:
-                    secs, _ = self.salt_run("test.arg", "bench")
-                    self.record("floor with runner_returns: False", secs)
-                finally:
-                    dropin.unlink()
+                self.floors()
             self.change(pubs, files, rng, 500 + i)
             self.sync([peer1], "sync 1 key + 1 file, 1 peer, journal")
             self.rsync([peer1], "rsync 1 key + 1 file, 1 peer")

@@ -12,9 +12,8 @@ import signal
 import time
 
 import pytest
-import salt.utils.yaml
 
-from tests.support.cluster import gen_keypair
+from tests.support.cluster import gen_keypair, pull_cluster
 
 pytestmark = pytest.mark.daemons
 
@@ -24,18 +23,7 @@ ENGINES = {"engines": [{"multimaster_watch": {"poll": 0.2}}]}
 ONLY = "only=minion_keys,file_roots,pillar_roots"
 
 
-@pytest.fixture(scope="module")
-def cluster(cluster_factory):
-    started = cluster_factory("wat", peers=1, minions=0, master_overrides=ENGINES,
-                              primary_overrides={"peer_run": {".*": ["multimaster.pull"]}})
-    dropin = pathlib.Path(started.primary.config_file).parent / "master.d" / "multimaster.conf"
-    dropin.parent.mkdir(exist_ok=True)
-    dropin.write_text(salt.utils.yaml.safe_dump(
-        {"multimaster": {"peers": [m.id for m in started.peer_minions]}}))
-    started.start()
-    assert started.wait_ping(started.primary, started.peer_minions[0].id)
-    yield started
-    started.stop()
+cluster = pull_cluster("wat", master_overrides=ENGINES)
 
 
 def _socket(master):

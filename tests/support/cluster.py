@@ -448,14 +448,15 @@ def run(cmd, **kwargs):
 
 
 
-def _started_with_pull(cluster_factory, name):
+def _started_with_pull(cluster_factory, name, master_overrides=None):
     """
     A started cluster of one peer and no plain minion whose primary grants
     the pull channel (``peer_run``) and lists the peer in
     ``master.d/multimaster.conf``: the setting of a large sync.
+    ``master_overrides``: options of every master.
     """
     cluster = cluster_factory(
-        name, peers=1, minions=0,
+        name, peers=1, minions=0, master_overrides=master_overrides,
         primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
     )
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
@@ -467,17 +468,18 @@ def _started_with_pull(cluster_factory, name):
     return cluster
 
 
-def pull_cluster(name):
+def pull_cluster(name, master_overrides=None):
     """
     A module-scoped ``cluster`` fixture: one peer and no plain minion, the
     primary granting the pull channel (``peer_run``) and listing the peer
     in ``master.d/multimaster.conf`` (the setting of a large sync); stopped
-    after the module.  In a test module: ``cluster = pull_cluster("abc")``.
+    after the module.  In a test module: ``cluster = pull_cluster("abc")``;
+    ``master_overrides``: options of every master.
     """
 
     @pytest.fixture(scope="module")
     def cluster(cluster_factory):
-        started = _started_with_pull(cluster_factory, name)
+        started = _started_with_pull(cluster_factory, name, master_overrides)
         yield started
         started.stop()
 
