@@ -843,7 +843,6 @@ class KeysSnapshot:
         self._parts = None
         self._previous = None
         self._later = later
-        stamps = self._stamps()
         meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
                      and all(isinstance(meta.get(k), dict)
@@ -854,6 +853,9 @@ class KeysSnapshot:
         unchanged, names, self._token = None, {}, None
         if watch is not None:
             unchanged, names, self._token = self._watched(watch, rescan)
+        # the stamps after the journal's token: a change made in between is
+        # named by the journal next time, whatever the stamps say now
+        stamps = self._stamps()
         if unchanged is None:
             # no watcher's word: the stamps of the key dirs
             unchanged = set() if rescan else self._unchanged(stamps)
@@ -1005,7 +1007,10 @@ class KeysSnapshot:
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
                                   "errors": errors, "damaged": damaged, "files": files,
-                                  "watch": self._token})
+                                  # listed without the journal's word, the
+                                  # snapshot is newer than the last token:
+                                  # what changed since that one still covers it
+                                  "watch": self._token or self.meta.get("watch")})
         fsutil.now_or_later(self._later, self._save, entries)
 
     def _save(self, entries):

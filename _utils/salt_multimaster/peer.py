@@ -146,7 +146,8 @@ def record_history(mopts, state_dir, primary_digest):
     the inventory tells the primary whether it is recorded
     (``history_recorded``).
     """
-    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir)
+    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir,
+                                 watch=watch.client(layout.state_dir(mopts)))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     if same:
         # every bucket the same (the apply went through): every id, uncut

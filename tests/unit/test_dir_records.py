@@ -24,26 +24,33 @@ class FakeWatcher:
         self.unwatched = []
         self.asked = []
 
-    def touch(self, path):
-        """``path``: a directory whose entries changed."""
+    def touch(self, path, name=None):
+        """``path``: a directory whose entries changed (``name``: which one; None: unknown)."""
         path = os.path.realpath(path)
         for tree in self.trees:
             if path == tree or path.startswith(tree + os.sep):
                 self.seq += 1
-                self.log.append((self.seq, tree, os.path.relpath(path, tree).replace(".", "", 1)
-                                 if path == tree else os.path.relpath(path, tree)))
+                rel = "" if path == tree else os.path.relpath(path, tree)
+                self.log.append((self.seq, tree, rel, name))
 
     def __call__(self, since):
         self.asked.append(since)
         ok = (isinstance(since, dict) and since.get("session") == self.session
               and since.get("seq", -1) <= self.seq)
-        changed = None
+        changed = names = None
         if ok:
-            changed = {t: sorted({rel for seq, tree, rel in self.log
-                                  if tree == t and seq > since["seq"]})
+            after = [e for e in self.log if e[0] > since["seq"]]
+            changed = {t: sorted({rel for _s, tree, rel, _n in after if tree == t})
                        for t in self.trees if t not in self.unwatched}
+            names = {t: {rel: (None if any(n is None for _s, tr, r, n in after
+                                           if tr == t and r == rel)
+                               else sorted({n for _s, tr, r, n in after
+                                            if tr == t and r == rel}))
+                         for rel in rels}
+                     for t, rels in changed.items()}
         return {"session": self.session, "seq": self.seq, "trees": self.trees,
-                "unwatched": self.unwatched, "changed": changed, "error": None}
+                "unwatched": self.unwatched, "changed": changed, "names": names,
+                "error": None}
 
 
 def _opts(roots_a, roots_b, ignore_glob=None):
@@ -275,3 +282,117 @@ def test_an_apply_records_the_hashes_it_wrote_only_when_it_pays(tmp_path, files,
         assert json.loads(cache.read_text())[str(root / "f0")] == [
             st.st_ino, st.st_size, st.st_mtime_ns, sha]
     assert app.written == []
+
+
+# ----- the key snapshot with a watcher ------------------------------------------------------
+def _keys(pki, state_dir, watch=None):
+    snap = manifest.KeysSnapshot(str(pki), str(state_dir), watch=watch)
+    return snap, {"manifest": snap.manifest, "digest": snap.digest, "counts": snap.counts,
+                  "errors": snap.errors}
+
+
+@pytest.fixture(name="pki")
+def _pki(tmp_path):
+    from tests.support.cluster import gen_keypair
+
+    pki = tmp_path / "pki"
+    for state in manifest.KEY_STATES:
+        (pki / state).mkdir(parents=True)
+    pub = gen_keypair(1024)[1]
+    for i in range(30):
+        (pki / "minions" / f"m{i}").write_bytes(pub)
+    (pki / "minions_pre" / "p0").write_bytes(pub)
+    return pki
+
+
+def test_key_snapshot_stats_only_the_keys_the_journal_names(pki, tmp_path, monkeypatch):
+    from tests.support.cluster import gen_keypair
+
+    fake = FakeWatcher([pki])
+    state = tmp_path / "state"
+    _keys(pki, state, fake)  # no token yet: listed, the token saved
+    assert fake.asked == [None]
+    pub = gen_keypair(1024)[1]
+    (pki / "minions" / "new").write_bytes(pub)
+    fake.touch(pki / "minions", "new")
+    (pki / "minions_pre" / "p0").unlink()
+    fake.touch(pki / "minions_pre", "p0")
+    listed = []
+    real = manifest._list_key_dir  # pylint: disable=protected-access
+
+    def counting(pki_dir, state_name, *args):
+        listed.append(state_name)
+        return real(pki_dir, state_name, *args)
+
+    monkeypatch.setattr(manifest, "_list_key_dir", counting)
+    snap, got = _keys(pki, state, fake)
+    assert listed == [] and not snap.reused
+    assert fake.asked[-1] == {"session": "s1", "seq": 0}
+    monkeypatch.undo()
+    assert got == _keys(pki, tmp_path / "fresh")[1]
+    assert got["manifest"]["minions"]["new"] and "p0" not in got["manifest"]["minions_pre"]
+    # nothing named since: reused, no key dir looked at
+    snap, again = _keys(pki, state, fake)
+    assert snap.reused and again == got
+
+
+def test_key_rewritten_in_place_is_found_through_the_journal(pki, tmp_path):
+    """What the stamps alone miss (same dir mtime), the journal names."""
+    from tests.support.cluster import gen_keypair
+
+    fake = FakeWatcher([pki])
+    watched, stamped = tmp_path / "watched", tmp_path / "stamped"
+    _keys(pki, watched, fake)
+    _keys(pki, stamped)
+    key, before = pki / "minions" / "m3", (pki / "minions").stat()
+    old = _keys(pki, stamped)[1]
+    with open(key, "r+b") as fh:
+        fh.write(gen_keypair(2048)[1])
+        fh.truncate()
+    os.utime(pki / "minions", ns=(before.st_atime_ns, before.st_mtime_ns))
+    fake.touch(pki / "minions", "m3")
+    assert _keys(pki, stamped)[1] == old  # the stamps: unchanged
+    got = _keys(pki, watched, fake)[1]
+    assert got == _keys(pki, tmp_path / "fresh")[1] != old
+
+
+@pytest.mark.parametrize("how", ["names-unknown", "dir-itself", "errors", "session", "rescan"])
+def test_key_dirs_are_listed_when_the_journal_cannot_name_the_keys(pki, tmp_path, monkeypatch,
+                                                                   how):
+    fake = FakeWatcher([pki])
+    state = tmp_path / "state"
+    if how == "errors":
+        (pki / "minions" / "junk").write_text("not a key")
+    _keys(pki, state, fake)
+    (pki / "minions" / "m1").unlink()
+    fake.touch(pki / "minions", {"names-unknown": None, "dir-itself": ""}.get(how, "m1"))
+    if how == "dir-itself":
+        fake.touch(pki / "minions", "m1")
+    if how == "session":
+        fake.session = "s2"
+    listed = []
+    real = manifest._list_key_dir  # pylint: disable=protected-access
+    monkeypatch.setattr(manifest, "_list_key_dir",
+                        lambda pki_dir, st, *a: listed.append(st) or real(pki_dir, st, *a))
+    snap = manifest.KeysSnapshot(str(pki), str(state), watch=fake, rescan=how == "rescan")
+    assert "minions" in listed
+    monkeypatch.undo()
+    assert snap.manifest == _keys(pki, tmp_path / "fresh")[1]["manifest"]
+
+
+def test_a_listing_without_the_journal_keeps_its_token(pki, tmp_path):
+    """
+    A snapshot taken without the journal (the peer's history record) is
+    newer than the last token: that token stays, and still covers it.
+    """
+    fake = FakeWatcher([pki])
+    state = tmp_path / "state"
+    _keys(pki, state, fake)
+    (pki / "minions" / "m2").unlink()
+    fake.touch(pki / "minions", "m2")
+    _keys(pki, state)  # no journal: listed by the stamps
+    saved = manifest._read_json(str(state / manifest.KEYS_SNAPSHOT))  # pylint: disable=protected-access
+    assert saved["watch"] == {"session": "s1", "seq": 0}
+    (pki / "minions" / "m4").unlink()
+    fake.touch(pki / "minions", "m4")
+    assert _keys(pki, state, fake)[1] == _keys(pki, tmp_path / "fresh")[1]
