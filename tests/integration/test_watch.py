@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import signal
+import stat
 import time
 
 import pytest
@@ -64,6 +65,9 @@ def _tree(master):
 def test_a_sync_lists_only_what_changed_and_holds_the_peer_as_a_replica(cluster):
     primary, peer = cluster.primary, cluster.peers[0]
     assert _wait_for(lambda: _socket(primary).is_socket() and _socket(peer).is_socket())
+    for master in (primary, peer):  # reached by the master's user only
+        assert stat.S_IMODE(_socket(master).stat().st_mode) == 0o600
+        assert stat.S_IMODE(_socket(master).parent.stat().st_mode) == 0o700
     base = cluster.file_root(primary)
     for d in range(6):
         (base / f"d{d}" / "sub").mkdir(parents=True, exist_ok=True)
