@@ -157,6 +157,13 @@ def merge(parts, buckets):
     return ret
 
 
+#: a walk hashes up to this many changed files, this many bytes, without
+#: reading the hash cache; a peer's apply records in it what it wrote from
+#: as many on (peer.Applier.commit)
+DIRECT_FILES = 64
+DIRECT_BYTES = 4 << 20
+
+
 class HashCache:
     """
     ``path -> [inode, size, mtime_ns, sha256]`` persisted as JSON, read on
@@ -174,6 +181,23 @@ class HashCache:
         self.dirty = False
         self.hashed = 0
         self.rehash = rehash
+        self._direct = [DIRECT_FILES, DIRECT_BYTES]
+
+    def direct(self, size):
+        """
+        Whether a changed file of ``size`` bytes is to be hashed without
+        this cache (read on first use): yes for the first few small ones of a
+        walk (fewer than :data:`DIRECT_FILES` files and :data:`DIRECT_BYTES`
+        bytes together); past them the cache is read, where a peer's apply
+        records what it wrote from that many files or bytes on.
+        """
+        files, size_left = self._direct
+        # fewer than an apply records (it records from DIRECT_FILES files or
+        # DIRECT_BYTES bytes on)
+        if self._entries is not None or files <= 1 or size >= size_left:
+            return False
+        self._direct = [files - 1, size_left - size]
+        return True
 
     @property
     def entries(self):
@@ -315,7 +339,7 @@ def _dir_entries(root, rel_dir, dirpath, real_dir, inside, ignore, cache, old=No
         if (was is not None and not link and was[4] == st.st_ino and was[1] == st.st_size
                 and was[5] == st.st_mtime_ns and not cache.rehash):
             sha = was[3]
-        elif old is not None and not link:
+        elif old is not None and not link and cache.direct(st.st_size):
             # the directory's record is its cache: the hash cache (every
             # file of the roots) is neither read nor rewritten for a few files
             try:

@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 #: an apply records the hashes of the files it wrote in the hash caches
 #: (megabytes of JSON at tens of thousands of files, read and rewritten)
 #: only from this many files or bytes on; fewer are read again next time
-RECORD_HASHES_MIN_FILES = 64
-RECORD_HASHES_MIN_BYTES = 4 << 20
+RECORD_HASHES_MIN_FILES = manifest.DIRECT_FILES
+RECORD_HASHES_MIN_BYTES = manifest.DIRECT_BYTES
 
 HISTORY_NAME = "minion_keys_history.json"
 # Errors a peer sends back per category, at most (Salt trims larger returns).

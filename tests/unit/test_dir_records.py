@@ -396,3 +396,42 @@ def test_a_listing_without_the_journal_keeps_its_token(pki, tmp_path):
     (pki / "minions" / "m4").unlink()
     fake.touch(pki / "minions", "m4")
     assert _keys(pki, state, fake)[1] == _keys(pki, tmp_path / "fresh")[1]
+
+
+def test_many_changed_files_are_looked_up_in_the_hash_cache(tree, tmp_path):
+    """
+    A few changed files of a recorded directory are hashed without opening
+    the hash cache; past that many (what a peer's apply records from), the
+    hash cache is read, and what it holds is not read again.
+    """
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    many = a / "top" / "many"
+    many.mkdir()
+    fake.touch(a / "top")
+    fake.touch(many)
+    _read(opts, state, fake)  # the new directory recorded (empty)
+    cache = manifest.HashCache(str(state / manifest.ROOTS_HASHCACHE))
+    for i in range(100):
+        path = many / f"f{i}"
+        path.write_text(f"file {i}\n")
+        st = path.stat()
+        # what an apply of 100 files records
+        cache.entries[str(path)] = [st.st_ino, st.st_size, st.st_mtime_ns,
+                                    manifest.sha256_file(str(path))]
+    cache.dirty = True
+    cache.save()
+    fake.touch(many)
+    counted = manifest.HashCache(str(state / manifest.ROOTS_HASHCACHE))
+    mans = manifest.roots_manifest(opts["file_roots"], manifest.Ignore(), counted,
+                                   records=_records(state, fake))
+    assert counted.hashed == manifest.DIRECT_FILES - 1  # then the cache is read: 37 from it
+    assert mans == _full(opts, tmp_path)[0]["file_roots"]
+
+
+def _records(state, fake):
+    records = manifest.DirRecords(str(state), manifest.Ignore())
+    records.use(fake(records.token))
+    return records
