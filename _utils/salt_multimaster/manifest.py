@@ -479,9 +479,16 @@ class DirRecords:
         return real_dir not in self._dirty and (real_dir + os.sep).startswith(self._trees)
 
     def old(self, real_dir):
-        """The saved record of ``real_dir`` (None: none)."""
+        """The saved record of ``real_dir`` (None: none, or not a record: listed again)."""
         rec = self._old.get(real_dir)
-        return rec if isinstance(rec, dict) else None
+        if not (isinstance(rec, dict) and isinstance(rec.get("files"), list)
+                and isinstance(rec.get("subdirs"), list)
+                and all(isinstance(f, list) and len(f) == 6 and isinstance(f[0], str)
+                        and isinstance(f[3], str) and type(f[1]) is type(f[2]) is type(f[4])
+                        is type(f[5]) is int for f in rec["files"])
+                and all(isinstance(n, str) for n in rec["subdirs"])):
+            return None
+        return rec
 
     def reuse(self, real_dir, rel_dir, dirpath):
         """
@@ -489,16 +496,15 @@ class DirRecords:
         watcher vouches it did not change and it was recorded at the same
         place in its root; else None (list it).
         """
+        if real_dir in self._dirty or not self._vouched(real_dir):
+            return None
         rec = self.old(real_dir)
-        if rec is None or rec.get("rel") != rel_dir or not self._vouched(real_dir):
+        if rec is None or rec.get("rel") != rel_dir:
             return None
-        try:
-            prefix = real_dir + os.sep
-            files = [(f[0], f[1:], prefix + f[0], None) for f in rec["files"]]
-            subdirs = [(name, os.path.join(dirpath, name), prefix + name)
-                       for name in rec["subdirs"]]
-        except (KeyError, TypeError, IndexError):
-            return None
+        prefix = real_dir + os.sep
+        files = [(f[0], f[1:], prefix + f[0], None) for f in rec["files"]]
+        subdirs = [(name, os.path.join(dirpath, name), prefix + name)
+                   for name in rec["subdirs"]]
         self.new[real_dir] = rec
         self.reused += 1
         return files, subdirs, True

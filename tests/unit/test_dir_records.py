@@ -435,3 +435,26 @@ def _records(state, fake):
     records = manifest.DirRecords(str(state), manifest.Ignore())
     records.use(fake(records.token))
     return records
+
+
+@pytest.mark.parametrize("damage", [
+    "not json", '{"token": 1}', None,
+])
+def test_damaged_records_are_read_as_none(tree, tmp_path, damage):
+    """A records file that is not one (or whose entries are not records): a full walk."""
+    import json
+
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    path = state / manifest.ROOTS_DIRS
+    if damage is None:  # valid JSON, entries of the wrong shape
+        data = json.loads(path.read_text())
+        for rec in data["dirs"].values():
+            rec["files"] = [[f[0], "x", 0o644, f[3], 1, 2] for f in rec["files"]]
+            rec["subdirs"] = [1]
+        damage = json.dumps(data)
+    path.write_text(damage)
+    (a / "x.sls").write_text("changed, the watcher not told")
+    assert _read(opts, state, fake) == _full(opts, tmp_path)
