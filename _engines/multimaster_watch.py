@@ -41,7 +41,7 @@ def __virtual__():
     return __virtualname__
 
 
-def start(poll=1.0):
+def start(poll=watch.POLL):
     """
     Watch this master's roots and key dirs and serve the change journal
     until the master stops.
@@ -56,6 +56,11 @@ def start(poll=1.0):
         engines:
           - multimaster_watch: {}
     """
+    try:
+        poll = watch.check_poll(poll)
+    except ValueError as exc:
+        log.error("%s: using %g", exc, watch.POLL)
+        poll = watch.POLL
     trees = watch.master_trees(__opts__)
     watcher = watch.Watcher(trees)
     try:

@@ -924,6 +924,19 @@ def supported():
     return True, None
 
 
+#: the engine's ``poll`` (seconds between checks for a stop), and its bounds
+POLL = 1.0
+POLL_MAX = 60.0
+
+
+def check_poll(poll):
+    """``poll`` as a float: seconds in (0, :data:`POLL_MAX`]; ``ValueError`` naming it otherwise."""
+    if isinstance(poll, bool) or not isinstance(poll, (int, float)) or not 0 < poll <= POLL_MAX:
+        raise ValueError(f"multimaster_watch: poll must be seconds in (0, {POLL_MAX:g}], "
+                         f"not {poll!r:.50}")
+    return float(poll)
+
+
 def socket_path(state_dir):
     """The watcher's socket in a master's state dir."""
     return os.path.join(state_dir, SOCKET_NAME)

@@ -468,6 +468,12 @@ def reactor(frr):
     run["scheduled"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
                                 "test=True", f"pillar={json.dumps(scheduled)}",
                                 minion_tgt=minion.id, timeout=180)
+    # the change journal engine, predicted only
+    watched = json.loads(pillar)
+    watched["multimaster"]["master"]["watch"] = True
+    run["watched"] = frr.salt(frr.primary, "state.apply", "salt.multimaster.master",
+                              "test=True", f"pillar={json.dumps(watched)}",
+                              minion_tgt=minion.id, timeout=180)
     # load the reactor (the formula's restart command is a no-op here)
     frr.restart(frr.primary)
     run["answering"] = {m.id: frr.wait_ping(frr.primary, m.id) for m in frr.all_minions}
@@ -499,6 +505,14 @@ def test_master_sls_installs_reactor(frr, reactor):
     data = _state_returns(reactor["scheduled"])
     diff = str(data["file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin)])
     assert "multimaster-sync" in diff and "function: multimaster.sync" in diff, data
+    # the journal engine, next to the engines of the master file (which a
+    # master.d engines list would otherwise replace)
+    data = _state_returns(reactor["watched"])
+    diff = str(data["file_|-multimaster-master-file-serialize_|-{}_|-serialize".format(dropin)])
+    assert "multimaster_watch" in diff, data
+    own = [next(iter(e)) if isinstance(e, dict) else e
+           for e in frr.primary.config.get("engines") or []]
+    assert own and all(name in diff for name in own), (own, data)
     assert all(reactor["answering"].values()), reactor["answering"]
     ret = frr.salt_run(frr.primary, "multimaster.status")
     assert ret.data[frr.peer_minions[0].id]["pull_allowed"] is True, ret.data

@@ -697,3 +697,10 @@ def test_names_of_the_changed_entries(tree, started, monkeypatch):
         fh.write(b"more")
     ask(w, after, {tree: ["a"]}, names={tree: {"a": ["k0"]}})
     assert w.changes(start)["names"][tree]["a"] is None
+
+
+@pytest.mark.parametrize("poll", ["1", None, True, 0, -1, 61, float("nan")])
+def test_a_bad_poll_is_named(poll):
+    with pytest.raises(ValueError, match=r"multimaster_watch: poll must be seconds in \(0, 60\]"):
+        watch.check_poll(poll)
+    assert watch.check_poll(2) == 2.0 and watch.check_poll(0.2) == 0.2
