@@ -496,7 +496,7 @@ class DirRecords:
         watcher vouches it did not change and it was recorded at the same
         place in its root; else None (list it).
         """
-        if real_dir in self._dirty or not self._vouched(real_dir):
+        if not self._vouched(real_dir):
             return None
         rec = self.old(real_dir)
         if rec is None or rec.get("rel") != rel_dir:
@@ -715,6 +715,12 @@ def _key_dir_entries(pki_dir, state):
                 yield entry
 
 
+def _same_key_file(was, st):
+    """Whether a key file's ``st`` is the one its snapshot entry ``was`` recorded."""
+    return (stat.S_ISREG(st.st_mode) and was[0] == st.st_ino and was[1] == st.st_size
+            and was[2] == st.st_mtime_ns)
+
+
 def _list_key_dir(pki_dir, state, known, get_cache, errors):
     """
     ``{minion_id: [inode, size, mtime_ns, sha256]}`` of one key dir.  A key
@@ -729,8 +735,7 @@ def _list_key_dir(pki_dir, state, known, get_cache, errors):
                 st = entry.stat()
             except FileNotFoundError:
                 continue
-            if (stat.S_ISREG(st.st_mode) and was[0] == st.st_ino
-                    and was[1] == st.st_size and was[2] == st.st_mtime_ns):
+            if _same_key_file(was, st):
                 ret[entry.name] = was
                 continue
         cache = get_cache()
@@ -1109,8 +1114,7 @@ def _update_key_dir(pki_dir, state, known, names, get_cache, errors):
             continue  # removed
         except OSError:
             st = None
-        if (st is not None and was is not None and stat.S_ISREG(st.st_mode)
-                and was[0] == st.st_ino and was[1] == st.st_size and was[2] == st.st_mtime_ns):
+        if st is not None and was is not None and _same_key_file(was, st):
             ret[name] = was
             continue
         cache = get_cache()

@@ -138,6 +138,11 @@ def update_history(state_dir, ops, report):
     _write_history(state_dir, history)
 
 
+def _journal(mopts):
+    """The change journal of this peer master (its engine's socket), for the reads of its state."""
+    return watch.client(layout.state_dir(mopts))
+
+
 def record_history(mopts, state_dir, primary_digest):
     """
     The explicit history step of an apply: every id of a bucket where this
@@ -147,7 +152,7 @@ def record_history(mopts, state_dir, primary_digest):
     (``history_recorded``).
     """
     snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir,
-                                 watch=watch.client(layout.state_dir(mopts)))
+                                 watch=_journal(mopts))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     if same:
         # every bucket the same (the apply went through): every id, uncut
@@ -175,10 +180,9 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    # the peer master's own watcher, when it runs the engine (its state dir)
     roots, roots_errors = manifest.read_roots(
         mopts, categories, state_dir, rescan=rescan,
-        watch=watch.client(layout.state_dir(mopts)))
+        watch=_journal(mopts))
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -208,7 +212,7 @@ def keys_inventory(mopts, state_dir, digests, rescan=False):
     While no key dir changed, no key is looked at.
     """
     snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
-                                 watch=watch.client(layout.state_dir(mopts)))
+                                 watch=_journal(mopts))
     diff = manifest.differing(digests, snap.digest)
     wanted = set(diff)
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,

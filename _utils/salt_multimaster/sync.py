@@ -82,8 +82,9 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     cache_dir = layout.state_dir(opts)
     saved = saved or {}
     errors, state = [], {}
+    journal = watch.client(cache_dir)
     roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                              later=later, watch=watch.client(cache_dir))
+                                              later=later, watch=journal)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -92,7 +93,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
         if cat == "minion_keys":
             # no per-key work while no key dir changed
             snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later,
-                                         watch=watch.client(cache_dir))
+                                         watch=journal)
             errors.extend(snap.errors)
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
