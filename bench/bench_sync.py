@@ -922,10 +922,12 @@ print(json.dumps(out))
         state = self.root / "manifest-state"
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir()
-        for name in (manifest.KEYS_SNAPSHOT, "keys-snapshot-manifest.json",
-                     manifest.ROOTS_HASHCACHE):
+        for name in (manifest.KEYS_SNAPSHOT, manifest.ROOTS_HASHCACHE):
             if (src / name).exists():
                 shutil.copyfile(src / name, state / name)
+        if (src / manifest.KEYS_SNAPSHOT_BUCKETS).is_dir():
+            shutil.copytree(src / manifest.KEYS_SNAPSHOT_BUCKETS,
+                            state / manifest.KEYS_SNAPSHOT_BUCKETS)
         for _ in range(self.args.repeat):
             t0 = time.perf_counter()
             snap = manifest.KeysSnapshot(str(self.pki), str(state), rescan=True)

@@ -15,6 +15,7 @@ import re
 import shutil
 import stat
 import time
+from collections.abc import Mapping
 
 from salt_multimaster import fsutil
 
@@ -32,7 +33,8 @@ KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_DIRS = "roots-dirs.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
-KEYS_SNAPSHOT_MANIFEST = "keys-snapshot-manifest.json"
+# its keys, one file per bucket (KeyBuckets)
+KEYS_SNAPSHOT_BUCKETS = "keys-snapshot.d"
 # touched before each listing of the keys: the filesystem's own clock
 KEYS_CLOCK = "keys-snapshot.clock"
 _ID_BAD = re.compile(r"[\x00/\\]")
@@ -824,20 +826,118 @@ def _read_json(path):
         return None
 
 
-def saved_key_entries(state_dir):
+def _key_part(entries):
+    """The bucket part (``{state: {id: sha256}}``) of a bucket's snapshot entries."""
+    return {state: {mid: e[3] for mid, e in keys.items()} for state, keys in entries.items() if keys}
+
+
+def _valid_key_entries(entries):
+    return isinstance(entries, dict) and all(
+        state in KEY_STATES and isinstance(keys, dict)
+        and all(isinstance(e, list) and len(e) == 4 and isinstance(e[3], str)
+                for e in keys.values())
+        for state, keys in entries.items())
+
+
+class KeyBuckets:
     """
-    ``{state: {id: [ino, size, mtime_ns, sha256]}}`` of the key snapshot
-    saved in ``state_dir`` (:class:`KeysSnapshot`); None when there is none
-    or it is malformed.
+    The entries of a key snapshot, ``{state: {id: [ino, size, mtime_ns,
+    sha256]}}``, one file per bucket (:func:`bucket_of`) in
+    :data:`KEYS_SNAPSHOT_BUCKETS`: a change of a few keys reads and writes
+    the files of their buckets only.  A file is read on first use and used
+    only when it matches its bucket's digest in the snapshot (``digest``);
+    one lost, torn, stale or altered reads as None.  ``files_read``: how
+    many files were read.
     """
-    data = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT_MANIFEST))
-    entries = data.get("entries") if isinstance(data, dict) else None
-    if not isinstance(entries, dict) or not all(
-            isinstance(keys, dict)
-            and all(isinstance(e, list) and len(e) == 4 for e in keys.values())
-            for keys in entries.values()):
+
+    def __init__(self, state_dir, digest):
+        self.dir = os.path.join(state_dir, KEYS_SNAPSHOT_BUCKETS)
+        self.digest = digest if isinstance(digest, dict) else {}
+        self.files_read = 0
+        self._read = {}
+
+    def _path(self, bucket):
+        return os.path.join(self.dir, f"{bucket}.json")
+
+    def get(self, bucket):
+        """One bucket's entries (``{}``: no key there), None when its file does not match."""
+        if bucket not in self._read:
+            want = self.digest.get(bucket)
+            entries = {}
+            if want is not None:
+                self.files_read += 1
+                data = _read_json(self._path(bucket))
+                entries = data.get("entries") if isinstance(data, dict) else None
+                if not _valid_key_entries(entries) or _part_digest(_key_part(entries)) != want:
+                    entries = None
+            self._read[bucket] = entries
+        return self._read[bucket]
+
+    def every(self):
+        """``{bucket: entries}`` of every bucket; None when one does not match."""
+        ret = {}
+        for bucket in self.digest:
+            ret[bucket] = self.get(bucket)
+            if ret[bucket] is None:
+                return None
+        return ret
+
+    def save(self, changed):
+        """Write the buckets of ``changed`` (``{bucket: entries}``); an empty one is removed."""
+        fsutil.makedirs(self.dir, mode=0o700)
+        for bucket, entries in changed.items():
+            entries = {state: keys for state, keys in entries.items() if keys}
+            if entries:
+                fsutil.atomic_write(self._path(bucket), json.dumps({"entries": entries}),
+                                    mode=0o600, durable=False)
+            else:
+                fsutil.remove(self._path(bucket))
+
+
+class _KeyParts(Mapping):
+    """
+    The bucket parts of a key snapshot, ``{bucket: {state: {id: sha256}}}``,
+    made from ``entries(bucket)`` when first looked up.  ``digest()``: the
+    snapshot's digests, which name its non-empty buckets.
+    """
+
+    def __init__(self, digest, entries):
+        self._digest = digest
+        self._entries = entries
+        self._made = {}
+
+    def __getitem__(self, bucket):
+        if bucket not in self._digest():
+            raise KeyError(bucket)
+        if bucket not in self._made:
+            self._made[bucket] = _key_part(self._entries(bucket))
+        return self._made[bucket]
+
+    def __iter__(self):
+        return iter(list(self._digest()))
+
+    def __len__(self):
+        return len(self._digest())
+
+
+def saved_key_parts(state_dir, buckets):
+    """
+    ``{bucket: {state: {id: sha256}}}`` of ``buckets`` in the key snapshot
+    saved in ``state_dir`` (:class:`KeysSnapshot`), an empty bucket left
+    out; None when there is none or a bucket's file does not match it.
+    """
+    meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
+    if not isinstance(meta, dict) or not isinstance(meta.get("digest"), dict):
         return None
-    return entries
+    store = KeyBuckets(state_dir, meta["digest"])
+    ret = {}
+    for bucket in buckets:
+        entries = store.get(bucket)
+        if entries is None:
+            return None
+        if entries:
+            ret[bucket] = _key_part(entries)
+    return ret
 
 
 class KeysSnapshot:
@@ -849,18 +949,19 @@ class KeysSnapshot:
     files, and each of these changes the mtime of the key dir.  A key dir
     found as it was at the last listing is not listed again: its keys are
     taken from the snapshot, and when no dir changed the saved digests are
-    the answer, the manifest being read back only if a bucket has to be
-    exchanged.  A changed dir is listed, each key statted, and only new or
-    changed keys (inode, size, mtime) are read.  The keys of the dirs Salt
-    rewrites in place (:data:`REWRITTEN_IN_PLACE`) are statted every time;
-    any other key file rewritten in place is seen at the next change of its
-    directory, or with ``rescan``.
+    the answer, a bucket's keys being read back (:class:`KeyBuckets`) only
+    if it has to be exchanged.  A changed dir is listed, each key statted,
+    and only new or changed keys (inode, size, mtime) are read.  The keys of
+    the dirs Salt rewrites in place (:data:`REWRITTEN_IN_PLACE`) are statted
+    every time; any other key file rewritten in place is seen at the next
+    change of its directory, or with ``rescan``.
 
     With ``watch`` (:func:`watch.client` of the master's watcher, which
     watches its pki_dir), a key dir the watcher vouches did not change since
     the snapshot is taken from it whatever its stamp, and in a changed one
     only the keys it names are statted (no listing of the dir), unless the
-    dir held a key that could not be used.
+    dir held a key that could not be used.  Then only the buckets of those
+    keys are read, digested again and saved.
 
     ``digest``, ``counts`` (keys per state dir) and ``errors`` are set at
     once; ``manifest`` and ``parts`` on first use.  ``reused``: no key dir
@@ -872,9 +973,9 @@ class KeysSnapshot:
         self.pki_dir = pki_dir
         self.state_dir = state_dir
         self.meta_path = os.path.join(state_dir, KEYS_SNAPSHOT)
-        self.manifest_path = os.path.join(state_dir, KEYS_SNAPSHOT_MANIFEST)
         self.hashed = 0
-        self._manifest = None
+        self._entries = {}  # {bucket: entries} made by this snapshot
+        self._full = False  # every bucket is in _entries
         self._parts = None
         self._previous = None
         self._later = later
@@ -883,6 +984,7 @@ class KeysSnapshot:
                      and all(isinstance(meta.get(k), dict)
                              for k in ("errors", "digest", "counts", "damaged"))
                      else {})
+        self._store = KeyBuckets(state_dir, self.meta.get("digest"))
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
         unchanged, names, self._token = None, {}, None
@@ -894,7 +996,7 @@ class KeysSnapshot:
         if unchanged is None:
             # no watcher's word: the stamps of the key dirs
             unchanged = set() if rescan else self._unchanged(stamps)
-        self.reused = len(unchanged) == len(KEY_STATES) and os.path.isfile(self.manifest_path)
+        self.reused = bool(self.meta) and len(unchanged) == len(KEY_STATES)
         if self.reused:
             self.digest = self.meta["digest"]
             self.counts = self.meta["counts"]
@@ -966,9 +1068,6 @@ class KeysSnapshot:
                 and (state not in REWRITTEN_IN_PLACE
                      or files.get(state) == _file_stamps(self.pki_dir, state))}
 
-    def _load_entries(self):
-        return saved_key_entries(self.state_dir)
-
     @staticmethod
     def saved_digest(pki_dir, state_dir):
         """The digests of the last snapshot of ``pki_dir``, without looking at a key (None: none)."""
@@ -991,42 +1090,26 @@ class KeysSnapshot:
         """
         List the key dirs not in ``unchanged``; of those in ``names``
         (``{state: [ids]}``: what changed in it, from the watcher), only
-        these keys are statted, the others taken from the snapshot.
+        these keys are statted, the others taken from the snapshot.  When
+        every changed dir is in ``names``, only their buckets are read.
         """
+        if not self.meta:
+            unchanged, names = set(), {}
         names = names or {}
-        clock = _fs_clock(self.state_dir, [stamp for state, stamp in stamps.items()
-                                           if state not in unchanged])
+        listed = [state for state in KEY_STATES if state not in unchanged]
+        clock = _fs_clock(self.state_dir, [stamps[state] for state in listed])
         taken = time.time_ns()
-        previous = (self._load_entries() or {}) if self.meta else {}
-        if previous and self.meta.get("digest"):
-            self._previous = (self.meta["digest"], _Lazy(lambda: split("minion_keys", {
-                state: {mid: e[3] for mid, e in keys.items()} for state, keys in previous.items()
-            })).get)
         written = _Lazy(lambda: open_hashcache(self.state_dir, KEYS_HASHCACHE))
-        errors, entries, damaged = {}, {}, {}
-        for state in KEY_STATES:
-            if state in unchanged and state in previous:
-                entries[state] = previous[state]
-                errors[state] = list(self.meta["errors"][state])
-                damaged[state] = list(self.meta["damaged"].get(state) or [])
-            elif state in names and state in previous:
-                errors[state] = []
-                entries[state] = _update_key_dir(self.pki_dir, state, previous[state],
-                                                 names[state], written.get, errors[state])
-                damaged[state] = damaged_sources(errors[state]).get(state, [])
-            else:
-                errors[state] = []
-                entries[state] = _list_key_dir(self.pki_dir, state, previous.get(state) or {},
-                                               written.get, errors[state])
-                damaged[state] = damaged_sources(errors[state]).get(state, [])
+        done = None
+        if listed and all(state in names for state in listed):
+            done = self._update(names, written)
+        if done is None:
+            done = self._list(unchanged, written)
+        changed, errors, damaged, files = done
         # keys that exist but cannot be used: never read as deleted
         self.damaged = {state: ids for state, ids in damaged.items() if ids}
         self.hashed = written.value.hashed if written.value is not None else 0
-        man = {state: {mid: entry[3] for mid, entry in keys.items()}
-               for state, keys in entries.items()}
-        self._set(man)
-        self.digest = bucket_digests(self.parts)
-        self.counts = {state: len(keys) for state, keys in man.items()}
+        self._parts = None
         self.errors = [e for state in KEY_STATES for e in errors[state]]
         if self._token is None and self._stamps() != stamps:
             # a key dir changed while it was listed: list it again next time
@@ -1037,8 +1120,6 @@ class KeysSnapshot:
         # before the last listing (RACY_NS) keeps it
         kept = {k: v for k, v in self.meta.items() if k not in _SCAN_FIELDS} if (
             self.meta.get("digest") == self.digest) else {}
-        files = {state: {mid: entry[:3] for mid, entry in entries[state].items()}
-                 for state in REWRITTEN_IN_PLACE}
         self.meta = dict(kept, **{"pki_dir": self.pki_dir, "dirs": stamps, "taken_ns": taken,
                                   "clock": clock, "digest": self.digest, "counts": self.counts,
                                   "errors": errors, "damaged": damaged, "files": files,
@@ -1046,41 +1127,141 @@ class KeysSnapshot:
                                   # snapshot is newer than the last token:
                                   # what changed since that one still covers it
                                   "watch": self._token or self.meta.get("watch")})
-        fsutil.now_or_later(self._later, self._save, entries)
+        fsutil.now_or_later(self._later, self._save, changed, self.meta)
 
-    def _save(self, entries):
-        fsutil.makedirs(self.state_dir, mode=0o700)
-        # a cache of the key dirs: checked against their stamps, the
-        # manifest against the digests (``manifest``), listed again when unreadable
-        fsutil.atomic_write(self.manifest_path, json.dumps({"entries": entries}), mode=0o600,
-                            durable=False)
-        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
+    def _update(self, names, written):
+        """
+        The keys ``names`` (``{state: [ids]}``) statted again in the buckets
+        they fall in, the other buckets as saved: ``(buckets to save,
+        errors, damaged, files)``; None when a bucket's file does not match.
+        """
+        where = {}
+        for state, ids in names.items():
+            for name in ids:
+                where.setdefault(bucket_of(name), {}).setdefault(state, []).append(name)
+        old = {bucket: self._store.get(bucket) for bucket in where}
+        if any(entries is None for entries in old.values()):
+            return None
+        meta = self.meta
+        errors = {state: [] if state in names else list(meta["errors"][state])
+                  for state in KEY_STATES}
+        digest, counts = dict(meta["digest"]), {s: meta["counts"].get(s, 0) for s in KEY_STATES}
+        files = {state: dict((meta.get("files") or {}).get(state) or {})
+                 for state in REWRITTEN_IN_PLACE}
+        for bucket, changed in where.items():
+            entries = dict(old[bucket])
+            for state, ids in changed.items():
+                entries[state] = _update_key_dir(self.pki_dir, state, old[bucket].get(state) or {},
+                                                 ids, written.get, errors[state])
+                counts[state] += len(entries[state]) - len(old[bucket].get(state) or {})
+                if state in files:
+                    for name in ids:
+                        files[state].pop(name, None)
+                        if name in entries[state]:
+                            files[state][name] = entries[state][name][:3]
+            self._entries[bucket] = entries = {s: keys for s, keys in entries.items() if keys}
+            part = _key_part(entries)
+            if part:
+                digest[bucket] = _part_digest(part)
+            else:
+                digest.pop(bucket, None)
+        damaged = {state: damaged_sources(errors[state]).get(state, []) if state in names
+                   else list(meta["damaged"].get(state) or []) for state in KEY_STATES}
+        was = meta["digest"]
+        previous = _KeyParts(lambda: was, lambda b: old[b] if b in old else self._entries_of(b))
+        self._previous = (was, lambda: previous)
+        self.digest, self.counts = digest, counts
+        return {bucket: self._entries[bucket] for bucket in where}, errors, damaged, files
+
+    def _list(self, unchanged, written):
+        """
+        List the key dirs not in ``unchanged``, the others taken from the
+        saved buckets: ``(buckets to save, errors, damaged, files)``.
+        """
+        saved = self._store.every() if self.meta else {}
+        if saved is None:
+            # a bucket's file does not match: every dir listed, every key read
+            saved, unchanged = {}, set()
+        previous = {}
+        for entries in saved.values():
+            for state, keys in entries.items():
+                previous.setdefault(state, {}).update(keys)
+        if saved:
+            self._previous = (self.meta["digest"], _Lazy(lambda: {
+                bucket: _key_part(entries) for bucket, entries in saved.items()}).get)
+        errors, damaged, new = {}, {}, {}
+        for state in KEY_STATES:
+            if state in unchanged:
+                errors[state] = list(self.meta["errors"][state])
+                damaged[state] = list(self.meta["damaged"].get(state) or [])
+                for bucket, entries in saved.items():
+                    if entries.get(state):
+                        new.setdefault(bucket, {})[state] = entries[state]
+                continue
+            errors[state] = []
+            keys = _list_key_dir(self.pki_dir, state, previous.get(state) or {},
+                                 written.get, errors[state])
+            damaged[state] = damaged_sources(errors[state]).get(state, [])
+            for mid, entry in keys.items():
+                new.setdefault(bucket_of(mid), {}).setdefault(state, {})[mid] = entry
+        self._entries, self._full = new, True
+        self.digest = {bucket: _part_digest(_key_part(entries)) for bucket, entries in new.items()}
+        self.counts = {state: sum(len(entries.get(state) or {}) for entries in new.values())
+                       for state in KEY_STATES}
+        files = {state: {mid: entry[:3] for entries in new.values()
+                         for mid, entry in (entries.get(state) or {}).items()}
+                 for state in REWRITTEN_IN_PLACE}
+        changed = {bucket: entries for bucket, entries in new.items()
+                   if saved.get(bucket) != entries}
+        changed.update({bucket: {} for bucket in saved if bucket not in new})
+        return changed, errors, damaged, files
+
+    def _save(self, changed, meta):
+        # a cache of the key dirs: checked against their stamps, each
+        # bucket's file against its digest (KeyBuckets), listed again when
+        # one does not match
+        self._store.save(changed)
+        fsutil.atomic_write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
         fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
 
-    def _set(self, man):
-        self._manifest = man
-        self._parts = None
+    def _entries_of(self, bucket):
+        """
+        One bucket's entries: made by this snapshot, else read from its
+        file; a file that does not match has every key dir listed again.
+        """
+        if bucket in self._entries or self._full:
+            return self._entries.get(bucket, {})
+        entries = self._store.get(bucket)
+        if entries is not None:
+            return entries
+        log.info("multimaster: key snapshot %s unreadable or stale, listing the keys",
+                 self._store.dir)
+        self.meta, self._store, self._entries = {}, KeyBuckets(self.state_dir, {}), {}
+        self._scan(self._stamps())
+        return self._entries.get(bucket, {})
 
     @property
     def manifest(self):
-        if self._manifest is None:
-            entries = self._load_entries()
-            man = ({state: {mid: e[3] for mid, e in entries.get(state, {}).items()}
-                    for state in KEY_STATES} if entries is not None else None)
-            if man is None or digest_of_keys(man) != self.digest:
-                log.info("multimaster: key snapshot %s unreadable or stale, listing the keys",
-                         self.manifest_path)
-                self.meta = {}
-                self._scan(self._stamps())
-            else:
-                self._set(man)
-        return self._manifest
+        """``{state: {id: sha256}}`` of every key (every bucket read)."""
+        for bucket in list(self.digest):
+            self._entries_of(bucket)  # a listing if one does not match
+        ret = {state: {} for state in KEY_STATES}
+        for bucket in self.digest:
+            for state, keys in self._entries_of(bucket).items():
+                ret[state].update((mid, entry[3]) for mid, entry in keys.items())
+        return ret
+
+    @property
+    def buckets_read(self):
+        """How many saved buckets this snapshot read (not the ones it made)."""
+        return self._store.files_read
 
     @property
     def parts(self):
+        """``{bucket: {state: {id: sha256}}}``, each bucket read when first looked up."""
         if self._parts is None:
-            self._parts = split("minion_keys", self.manifest)
+            self._parts = _KeyParts(lambda: self.digest, self._entries_of)
         return self._parts
 
     def remember(self, **fields):
@@ -1149,11 +1330,6 @@ class _Lazy:
         if self.value is None:
             self.value = self.make()
         return self.value
-
-
-def digest_of_keys(man):
-    """The bucket digests of a keys manifest."""
-    return bucket_digests(split("minion_keys", man))
 
 
 def open_hashcache(state_dir, name):

@@ -696,17 +696,8 @@ def snapshot_keys(opts, ids):
     ``{bucket: {state: {id: sha256}}}`` of the buckets of ``ids`` in the
     primary's saved key snapshot (read, no key dir listed); None without one.
     """
-    entries = manifest.saved_key_entries(layout.state_dir(opts))
-    if entries is None:
-        return None
-    buckets = {manifest.bucket_of(mid) for mid in ids}
-    parts = {}
-    for state, keys in entries.items():
-        for mid, entry in keys.items():
-            bucket = manifest.bucket_of(mid)
-            if bucket in buckets:
-                parts.setdefault(bucket, {}).setdefault(state, {})[mid] = str(entry[3])
-    return parts
+    return manifest.saved_key_parts(layout.state_dir(opts),
+                                    {manifest.bucket_of(mid) for mid in ids})
 
 
 def _overlay(part, ids):

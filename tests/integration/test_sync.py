@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import stat
 import time
 
@@ -477,7 +478,7 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
     saved = json.loads((state / "roots-file_roots.json").read_text())
     (state / "roots-file_roots.json").write_text(json.dumps(dict(saved, manifest={})))
-    (state / "keys-snapshot-manifest.json").write_text(json.dumps({"entries": {"minions": {}}}))
+    shutil.rmtree(state / "keys-snapshot.d")
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
     assert ret.returncode == 0, ret
     for peer, pm in zip(cluster.peers, cluster.peer_minions):

@@ -1,6 +1,7 @@
 """Unit tests of the replication core: plans, manifests, sealing, safe writes."""
 
 import hashlib
+import json
 import os
 import stat
 
@@ -8,6 +9,7 @@ import pytest
 
 from salt_multimaster import fsutil, manifest, protocol, replicate, seal
 from tests.support.cluster import gen_keypair
+from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -153,13 +155,13 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     assert not first.reused and first.hashed == 1
     listed, errors = _listed(pki, tmp_path)
     assert first.manifest == listed and first.errors == errors
-    assert first.digest == manifest.digest_of_keys(listed)
+    assert first.digest == digest_of_keys(listed)
     assert first.counts == {s: len(listed[s]) for s in manifest.KEY_STATES}
     # nothing changed: nothing is listed, the manifest is read back only on demand
     again = manifest.KeysSnapshot(str(pki), str(state))
     assert again.reused and again.hashed == 0
     assert (again.digest, again.counts, again.errors) == (first.digest, first.counts, errors)
-    assert again._manifest is None and again.manifest == listed
+    assert again.buckets_read == 0 and again.manifest == listed
     # Salt accepting a key: a rename into minions/ changes the dir
     (pki / "minions_pre" / "web2").write_bytes(other)
     os.rename(pki / "minions_pre" / "web2", pki / "minions" / "web2")
@@ -314,20 +316,31 @@ def test_what_was_remembered_of_the_keys_holds_while_they_are_the_same(tmp_path)
     assert changed.digest != snap.digest and "history" not in changed.meta
 
 
-def test_keys_snapshot_with_a_damaged_manifest_lists_again(tmp_path):
+def test_keys_snapshot_with_a_damaged_bucket_lists_again(tmp_path):
     pki, state = tmp_path / "pki", tmp_path / "state"
     (pki / "minions").mkdir(parents=True)
     state.mkdir()
     (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
     _age(pki)
     first = manifest.KeysSnapshot(str(pki), str(state))
-    (state / "keys-snapshot-manifest.json").write_text('{"minions": {}}')
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert again.reused
-    assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
-    # malformed entries, then a malformed snapshot: listed again, never a crash
-    (state / "keys-snapshot-manifest.json").write_text('{"entries": {"minions": {"web1": 5}}}')
-    assert manifest.KeysSnapshot(str(pki), str(state)).manifest == first.manifest
+    bucket = state / manifest.KEYS_SNAPSHOT_BUCKETS / f"{manifest.bucket_of('web1')}.json"
+    sha = first.manifest["minions"]["web1"]
+    # malformed, of the wrong shape, another key's hash (altered or stale),
+    # torn, lost: the bucket is never used, the keys are listed again
+    for damage in ('{"minions": {}}', '{"entries": {"minions": {"web1": 5}}}',
+                   json.dumps({"entries": {"minions": {"web1": [1, 2, 3, "0" * 64]}}}),
+                   json.dumps({"entries": {"minions": {"web1": [1, 2, 3, sha]},
+                                           "minions_pre": {"web1": [1, 2, 3, sha]}}}),
+                   "", None):
+        if damage is None:
+            bucket.unlink()
+        else:
+            bucket.write_text(damage)
+        again = manifest.KeysSnapshot(str(pki), str(state))
+        assert again.reused and again.buckets_read == 0
+        assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
+        assert again.digest == first.digest
+        assert json.loads(bucket.read_text())["entries"]["minions"]["web1"][3] == sha  # saved again
     (state / "keys-snapshot.json").write_text('{"pki_dir": "%s", "errors": {}}' % pki)
     damaged = manifest.KeysSnapshot(str(pki), str(state))
     assert not damaged.reused and damaged.manifest == first.manifest
@@ -426,7 +439,8 @@ def test_a_cache_is_written_atomically_without_disk_flushes(tmp_path, monkeypatc
     (pki / "minions").mkdir(parents=True)
     (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
     first = manifest.KeysSnapshot(str(pki), str(state))
-    (state / manifest.KEYS_SNAPSHOT_MANIFEST).write_text("")  # lost in a crash
+    (state / manifest.KEYS_SNAPSHOT_BUCKETS / f"{manifest.bucket_of('web1')}.json").write_text(
+        "")  # lost in a crash
     (state / manifest.KEYS_SNAPSHOT).write_text("")
     again = manifest.KeysSnapshot(str(pki), str(state))
     assert not again.reused and again.digest == first.digest

@@ -458,3 +458,74 @@ def test_damaged_records_are_read_as_none(tree, tmp_path, damage):
     path.write_text(damage)
     (a / "x.sls").write_text("changed, the watcher not told")
     assert _read(opts, state, fake) == _full(opts, tmp_path)
+
+
+def test_the_journal_s_keys_cost_their_buckets_only(pki, tmp_path, monkeypatch):
+    """
+    A key the journal names is looked up in its bucket's file only; only
+    that bucket is digested and saved again, and the snapshot it replaced
+    is still there for the plan (``previous_parts``).
+    """
+    from salt_multimaster import fsutil
+    from tests.support.cluster import gen_keypair
+
+    fake = FakeWatcher([pki])
+    state = tmp_path / "state"
+    before = _keys(pki, state, fake)[1]
+    # a bucket that holds keys already
+    new = next(f"new{i}" for i in range(1000) if manifest.bucket_of(f"new{i}") in before["digest"])
+    (pki / "minions" / new).write_bytes(gen_keypair(1024)[1])
+    fake.touch(pki / "minions", new)
+    written = []
+    real = fsutil.atomic_write
+    monkeypatch.setattr(fsutil, "atomic_write",
+                        lambda path, *a, **k: written.append(os.path.basename(path))
+                        or real(path, *a, **k))
+    snap = manifest.KeysSnapshot(str(pki), str(state), watch=fake)
+    bucket = manifest.bucket_of(new)
+    assert snap.buckets_read == 1 and written == [f"{bucket}.json", manifest.KEYS_SNAPSHOT]
+    got = _keys(pki, state, fake)[1]  # reused
+    assert got == _keys(pki, tmp_path / "fresh")[1]
+    assert [b for b in got["digest"] if got["digest"][b] != before["digest"].get(b)] == [bucket]
+    digest, parts = snap.previous_parts()
+    assert digest == before["digest"]
+    assert dict(parts()) == manifest.split("minion_keys", before["manifest"])
+
+
+def test_random_key_changes_through_the_journal_read_as_a_listing(pki, tmp_path):
+    """Keys added, accepted, rejected, deleted and rewritten, named by the journal, 30 rounds."""
+    from tests.support.cluster import gen_keypair
+
+    rng = random.Random(5)
+    pubs = [gen_keypair(1024)[1] for _ in range(3)]
+    fake = FakeWatcher([pki])
+    state = tmp_path / "state"
+    last = _keys(pki, state, fake)[1]
+    for rnd in range(30):
+        for _ in range(rng.randrange(1, 6)):
+            here = [(s, n) for s in manifest.KEY_STATES for n in os.listdir(pki / s)]
+            what = rng.choice(["add", "move", "delete", "rewrite"]) if here else "add"
+            if what == "add":
+                st, name = rng.choice(manifest.KEY_STATES), f"k{rnd}-{rng.randrange(1000)}"
+                (pki / st / name).write_bytes(rng.choice(pubs))
+                fake.touch(pki / st, name)
+                continue
+            st, name = rng.choice(here)
+            if what == "move":
+                to = rng.choice([s for s in manifest.KEY_STATES if s != st])
+                if (pki / to / name).exists():
+                    continue
+                os.rename(pki / st / name, pki / to / name)
+                fake.touch(pki / to, name)
+            elif what == "delete":
+                (pki / st / name).unlink()
+            else:
+                (pki / st / name).write_bytes(rng.choice(pubs) + b"\n" * rng.randrange(3))
+            fake.touch(pki / st, name)
+        snap, got = _keys(pki, state, fake)
+        fresh = _keys(pki, tmp_path / f"fresh{rnd}")[1]
+        assert got == fresh, rnd
+        digest, parts = snap.previous_parts()
+        assert digest == last["digest"], rnd
+        assert dict(parts()) == manifest.split("minion_keys", last["manifest"]), rnd
+        last = got

@@ -14,6 +14,7 @@ import pytest
 
 from salt_multimaster import fsutil, grants, lock, manifest, replicate, sync
 from tests.support.cluster import gen_keypair
+from tests.support.keys import digest_of_keys
 
 A, B = "a" * 64, "b" * 64
 
@@ -294,7 +295,7 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
 
 def test_plan_passes_damaged_sources_to_the_planners():
     keys = {"minions": {"ok": A}}
-    primary = {"minion_keys": {"digest": manifest.digest_of_keys(keys), "previous": None,
+    primary = {"minion_keys": {"digest": digest_of_keys(keys), "previous": None,
                                "snapshot": type("S", (), {"parts": manifest.split("minion_keys", keys)}),
                                "damaged": {"minions": ["bad"]}}}
     peer_keys = {"minions": {"ok": A, "bad": B}}

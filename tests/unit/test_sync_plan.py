@@ -1,10 +1,11 @@
 """Planning a peer from the primary's previous state: the same plan as from the peer's details."""
 
 import json
-import os
+import shutil
 import types
 
 from salt_multimaster import manifest, replicate, sync
+from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -12,7 +13,7 @@ A, B, C = "a" * 64, "b" * 64, "c" * 64
 def _primary(cat, before, now, previous=True):
     parts = manifest.split(cat, now)
     entry = {"digest": manifest.bucket_digests(parts),
-             "previous": ((manifest.digest_of_keys(before) if cat == "minion_keys"
+             "previous": ((digest_of_keys(before) if cat == "minion_keys"
                            else manifest.bucket_digests(manifest.split(cat, before)),
                            lambda: manifest.split(cat, before)) if previous else None)}
     if cat == "minion_keys":
@@ -79,7 +80,7 @@ def test_a_peer_not_in_the_previous_state_is_planned_from_its_details():
 def test_without_the_previous_state_the_peer_is_asked_again():
     before = {"minions": {"web1": A}}
     now = {"minions": {"web1": A, "web2": B}}
-    sent = manifest.digest_of_keys(before)
+    sent = digest_of_keys(before)
     inv = _inventory("minion_keys", before, sent)
     lost = _primary("minion_keys", before, now, previous=False)
     assert sync.unplannable(["minion_keys"], lost, inv, {"minion_keys": sent})
@@ -114,8 +115,12 @@ def _snapshot_of(tmp_path, man):
     opts = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki")}
     state = tmp_path / "cache" / "multimaster"
     state.mkdir(parents=True)
-    entries = {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in man.items()}
-    (state / manifest.KEYS_SNAPSHOT_MANIFEST).write_text(json.dumps({"entries": entries}))
+    parts = manifest.split("minion_keys", man)
+    digest = manifest.bucket_digests(parts)
+    manifest.KeyBuckets(str(state), digest).save({
+        b: {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in part.items()}
+        for b, part in parts.items()})
+    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps({"digest": digest}))
     return opts
 
 
@@ -127,7 +132,7 @@ def _keys_primary(man, ids):
 def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(tmp_path):
     before = {"minions": {"web1": A, "web2": B}, "minions_pre": {"new1": C}}
     opts = _snapshot_of(tmp_path, before)
-    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
+    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
     held = _held(opts, "p", ["web2", "new1", "gone"])
     assert held["keys"] == {"web2": {"minions": B}, "new1": {"minions_pre": C}, "gone": {}}
@@ -145,22 +150,22 @@ def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(
     sync.remember_targeted(opts, "p", held, primary, {"result": True, "minion_keys": report[
         "minion_keys"]}, sync.targeted_inventory(held))
     assert sync.remembered(opts, "p", ["minion_keys"])["minion_keys"]["digest"] == (
-        manifest.digest_of_keys(now))
+        digest_of_keys(now))
 
 
 def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(tmp_path):
     before = {"minions": {"web1": A}}
     opts = _snapshot_of(tmp_path, before)
     assert _held(opts, "p", ["web1"]) is None  # never synced
-    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
+    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
     # the snapshot does not hold what the peer was confirmed to hold there
     assert _held(opts, "p", ["web1"]) is None
-    os.unlink(tmp_path / "cache" / "multimaster" / manifest.KEYS_SNAPSHOT_MANIFEST)
+    shutil.rmtree(tmp_path / "cache" / "multimaster" / manifest.KEYS_SNAPSHOT_BUCKETS)
     assert _held(opts, "p", ["web1"]) is None
     # a sync that left conflicts forgets; so does one where the peer held otherwise
     opts2 = _snapshot_of(tmp_path / "2", before)
-    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
+    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
     held = _held(opts2, "p", ["web1"])
     rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
@@ -168,7 +173,7 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
                            {"result": False, "minion_keys": rep}, sync.targeted_inventory(held))
     assert sync.remembered(opts2, "p", ["minion_keys"]) is None
     # a peer that refused the condition (an older one): forgotten too
-    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": manifest.digest_of_keys(
+    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
     sync.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
         before, ["web1"]), {"result": True, "minion_keys": replicate.empty_report()}, None)
