@@ -33,7 +33,7 @@ KEYS_HASHCACHE = "hashcache-keys.json"
 ROOTS_DIRS = "roots-dirs.json"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
-# its keys, one file per bucket (KeyBuckets)
+# its keys, one file per bucket (key_buckets)
 KEYS_SNAPSHOT_BUCKETS = "keys-snapshot.d"
 # touched before each listing of the keys: the filesystem's own clock
 KEYS_CLOCK = "keys-snapshot.clock"
@@ -839,42 +839,45 @@ def _valid_key_entries(entries):
         for state, keys in entries.items())
 
 
-class KeyBuckets:
+class BucketFiles:
     """
-    The entries of a key snapshot, ``{state: {id: [ino, size, mtime_ns,
-    sha256]}}``, one file per bucket (:func:`bucket_of`) in
-    :data:`KEYS_SNAPSHOT_BUCKETS`: a change of a few keys reads and writes
-    the files of their buckets only.  A file is read on first use and used
-    only when it matches its bucket's digest in the snapshot (``digest``);
-    one lost, torn, stale or altered reads as None.  ``files_read``: how
-    many files were read.
+    A cache of bucket parts (``{bucket: data}``), one JSON file per bucket
+    in ``directory``, next to the bucket digests its owner saves
+    (``digest``): a change reads and writes the files of its buckets only.
+    A file is read on first use and used only when ``valid(data)`` and
+    ``part(data)`` digests to its bucket's digest; one lost, torn, stale
+    or altered reads as None.  What was read stays: :meth:`save` reads the
+    files it replaces first, so they are still the answer for the digests
+    given.  ``files_read``: how many files were read.
     """
 
-    def __init__(self, state_dir, digest):
-        self.dir = os.path.join(state_dir, KEYS_SNAPSHOT_BUCKETS)
+    def __init__(self, directory, digest, valid, part=None):
+        self.dir = directory
         self.digest = digest if isinstance(digest, dict) else {}
         self.files_read = 0
+        self._valid = valid
+        self._part = part or (lambda data: data)
         self._read = {}
 
     def _path(self, bucket):
         return os.path.join(self.dir, f"{bucket}.json")
 
     def get(self, bucket):
-        """One bucket's entries (``{}``: no key there), None when its file does not match."""
+        """One bucket's data (``{}``: an empty bucket), None when its file does not match."""
         if bucket not in self._read:
             want = self.digest.get(bucket)
-            entries = {}
+            data = {}
             if want is not None:
                 self.files_read += 1
-                data = _read_json(self._path(bucket))
-                entries = data.get("entries") if isinstance(data, dict) else None
-                if not _valid_key_entries(entries) or _part_digest(_key_part(entries)) != want:
-                    entries = None
-            self._read[bucket] = entries
+                saved = _read_json(self._path(bucket))
+                data = saved.get("bucket") if isinstance(saved, dict) else None
+                if not self._valid(data) or _part_digest(self._part(data)) != want:
+                    data = None
+            self._read[bucket] = data
         return self._read[bucket]
 
     def every(self):
-        """``{bucket: entries}`` of every bucket; None when one does not match."""
+        """``{bucket: data}`` of every bucket; None when one does not match."""
         ret = {}
         for bucket in self.digest:
             ret[bucket] = self.get(bucket)
@@ -883,41 +886,50 @@ class KeyBuckets:
         return ret
 
     def save(self, changed):
-        """Write the buckets of ``changed`` (``{bucket: entries}``); an empty one is removed."""
+        """Write the buckets of ``changed`` (``{bucket: data}``); an empty one is removed."""
         fsutil.makedirs(self.dir, mode=0o700)
-        for bucket, entries in changed.items():
-            entries = {state: keys for state, keys in entries.items() if keys}
-            if entries:
-                fsutil.atomic_write(self._path(bucket), json.dumps({"entries": entries}),
+        for bucket, data in changed.items():
+            self.get(bucket)
+            data = {outer: inner for outer, inner in data.items() if inner}
+            if data:
+                fsutil.atomic_write(self._path(bucket), json.dumps({"bucket": data}),
                                     mode=0o600, durable=False)
             else:
                 fsutil.remove(self._path(bucket))
 
 
-class _KeyParts(Mapping):
+def key_buckets(state_dir, digest):
+    """The :class:`BucketFiles` of a key snapshot: ``{state: {id: [ino, size, mtime_ns, sha256]}}`` each."""
+    return BucketFiles(os.path.join(state_dir, KEYS_SNAPSHOT_BUCKETS), digest,
+                       _valid_key_entries, _key_part)
+
+
+class _LazyParts(Mapping):
     """
-    The bucket parts of a key snapshot, ``{bucket: {state: {id: sha256}}}``,
-    made from ``entries(bucket)`` when first looked up.  ``digest()``: the
-    snapshot's digests, which name its non-empty buckets.
+    Bucket parts, ``{bucket: part}``, each made by ``part(bucket)`` when
+    first looked up (None: not known, read as missing).  ``digest()``: the
+    digests, which name the non-empty buckets.
     """
 
-    def __init__(self, digest, entries):
+    def __init__(self, digest, part):
         self._digest = digest
-        self._entries = entries
+        self._part = part
         self._made = {}
 
     def __getitem__(self, bucket):
         if bucket not in self._digest():
             raise KeyError(bucket)
         if bucket not in self._made:
-            self._made[bucket] = _key_part(self._entries(bucket))
+            self._made[bucket] = self._part(bucket)
+        if self._made[bucket] is None:
+            raise KeyError(bucket)
         return self._made[bucket]
 
     def __iter__(self):
-        return iter(list(self._digest()))
+        return iter([bucket for bucket in list(self._digest()) if bucket in self])
 
     def __len__(self):
-        return len(self._digest())
+        return len(list(iter(self)))
 
 
 def saved_key_parts(state_dir, buckets):
@@ -929,7 +941,7 @@ def saved_key_parts(state_dir, buckets):
     meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
     if not isinstance(meta, dict) or not isinstance(meta.get("digest"), dict):
         return None
-    store = KeyBuckets(state_dir, meta["digest"])
+    store = key_buckets(state_dir, meta["digest"])
     ret = {}
     for bucket in buckets:
         entries = store.get(bucket)
@@ -949,7 +961,7 @@ class KeysSnapshot:
     files, and each of these changes the mtime of the key dir.  A key dir
     found as it was at the last listing is not listed again: its keys are
     taken from the snapshot, and when no dir changed the saved digests are
-    the answer, a bucket's keys being read back (:class:`KeyBuckets`) only
+    the answer, a bucket's keys being read back (:func:`key_buckets`) only
     if it has to be exchanged.  A changed dir is listed, each key statted,
     and only new or changed keys (inode, size, mtime) are read.  The keys of
     the dirs Salt rewrites in place (:data:`REWRITTEN_IN_PLACE`) are statted
@@ -984,7 +996,7 @@ class KeysSnapshot:
                      and all(isinstance(meta.get(k), dict)
                              for k in ("errors", "digest", "counts", "damaged"))
                      else {})
-        self._store = KeyBuckets(state_dir, self.meta.get("digest"))
+        self._store = key_buckets(state_dir, self.meta.get("digest"))
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
         unchanged, names, self._token = None, {}, None
@@ -1168,7 +1180,7 @@ class KeysSnapshot:
         damaged = {state: damaged_sources(errors[state]).get(state, []) if state in names
                    else list(meta["damaged"].get(state) or []) for state in KEY_STATES}
         was = meta["digest"]
-        previous = _KeyParts(lambda: was, lambda b: old[b] if b in old else self._entries_of(b))
+        previous = _LazyParts(lambda: was, lambda b: _key_part(old[b] if b in old else self._entries_of(b)))
         self._previous = (was, lambda: previous)
         self.digest, self.counts = digest, counts
         return {bucket: self._entries[bucket] for bucket in where}, errors, damaged, files
@@ -1218,7 +1230,7 @@ class KeysSnapshot:
 
     def _save(self, changed, meta):
         # a cache of the key dirs: checked against their stamps, each
-        # bucket's file against its digest (KeyBuckets), listed again when
+        # bucket's file against its digest (BucketFiles), listed again when
         # one does not match
         self._store.save(changed)
         fsutil.atomic_write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
@@ -1237,7 +1249,7 @@ class KeysSnapshot:
             return entries
         log.info("multimaster: key snapshot %s unreadable or stale, listing the keys",
                  self._store.dir)
-        self.meta, self._store, self._entries = {}, KeyBuckets(self.state_dir, {}), {}
+        self.meta, self._store, self._entries = {}, key_buckets(self.state_dir, {}), {}
         self._scan(self._stamps())
         return self._entries.get(bucket, {})
 
@@ -1261,7 +1273,7 @@ class KeysSnapshot:
     def parts(self):
         """``{bucket: {state: {id: sha256}}}``, each bucket read when first looked up."""
         if self._parts is None:
-            self._parts = _KeyParts(lambda: self.digest, self._entries_of)
+            self._parts = _LazyParts(lambda: self.digest, lambda b: _key_part(self._entries_of(b)))
         return self._parts
 
     def remember(self, **fields):
@@ -1337,36 +1349,54 @@ def open_hashcache(state_dir, name):
     return HashCache(os.path.join(state_dir, name))
 
 
+def _valid_roots_part(part):
+    return isinstance(part, dict) and all(
+        isinstance(files, dict) and all(isinstance(e, list) and len(e) == 3 for e in files.values())
+        for files in part.values())
+
+
 class SavedManifest:
     """
-    A roots category's manifest and digests as the primary last read them
-    (``roots-<category>.json`` in ``state_dir``): what a peer in step with
-    the last sync holds.
+    A roots category's bucket digests and parts as the primary last read
+    them (``roots-<category>.json`` in ``state_dir``, the parts one file
+    per bucket in ``roots-<category>.d``, :class:`BucketFiles`): what a peer
+    in step with the last sync holds.  A save writes the buckets whose
+    digest changed; :meth:`parts` reads a bucket when first looked up.
     """
+
+    FORMAT = 2  # the parts in bucket files
 
     def __init__(self, state_dir, cat):
         self.cat = cat
         self.path = os.path.join(state_dir, f"roots-{cat}.json")
         data = _read_json(self.path)
-        good = (isinstance(data, dict) and isinstance(data.get("digest"), dict)
-                and isinstance(data.get("manifest"), dict)
-                and all(isinstance(files, dict) for files in data["manifest"].values()))
+        good = (isinstance(data, dict) and data.get("format") == self.FORMAT
+                and isinstance(data.get("digest"), dict))
         self.data = data if good else {}
-        self._parts = None
+        self._files = BucketFiles(os.path.join(state_dir, f"roots-{cat}.d"), self.digest,
+                                  _valid_roots_part)
 
     @property
     def digest(self):
         return self.data.get("digest")
 
     def parts(self):
-        if self._parts is None:
-            self._parts = split(self.cat, self.data.get("manifest") or {})
-        return self._parts
+        """
+        ``{bucket: part}`` of :attr:`digest`, each bucket read when first
+        looked up; one whose file does not match is missing (so a peer
+        holding it is asked, a second round).
+        """
+        return _LazyParts(lambda: self.digest or {}, self._files.get)
 
-    def save(self, man, digests):
+    def save(self, parts, digests):
+        """Save a read's bucket parts (safe: :func:`replicate.safe_parts`) and their ``digests``."""
         if digests == self.digest:
             return
+        old = self.digest or {}
+        changed = {b: part for b, part in parts.items() if old.get(b) != digests.get(b)}
+        changed.update({b: {} for b in old if b not in digests})
         # used only for a peer whose digests equal these: a stale or lost
         # file costs a second round, never a wrong plan
-        fsutil.atomic_write(self.path, json.dumps({"digest": digests, "manifest": man}),
+        self._files.save(changed)
+        fsutil.atomic_write(self.path, json.dumps({"format": self.FORMAT, "digest": digests}),
                             mode=0o600, durable=False)

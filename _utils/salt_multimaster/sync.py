@@ -103,13 +103,14 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
             parts = manifest.split(cat, man)
             # digests and the saved manifest describe a peer in step: modes
             # less the bits a sync never writes (the plan warns of those)
-            digest = manifest.bucket_digests(replicate.safe_parts(parts))
+            safe = replicate.safe_parts(parts)
+            digest = manifest.bucket_digests(safe)
             last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
             state[cat] = {"manifest": man, "parts": parts, "digest": digest,
                           "envs": sorted(opts.get(cat) or {}),
                           "previous": (last.digest, last.parts) if last.digest else None,
                           "damaged": manifest.damaged_sources(roots_errors[cat])}
-            fsutil.now_or_later(later, _save_read, last, man, digest)
+            fsutil.now_or_later(later, last.save, safe, digest)
         elif cat == "master_keys":
             pem, pub = layout.master_key_files(opts, topology)
             state[cat] = {"files": {"pem": pem, "pub": pub},
@@ -120,10 +121,6 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     state["errors"] = [str(e) for e in errors]
     state["damaged"] = damaged_messages(state, categories)
     return state
-
-
-def _save_read(saved, man, digest):
-    saved.save(replicate.safe_tree(man), digest)
 
 
 def read_primary_keys(opts, ids):

@@ -476,8 +476,7 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     (pki / "minions" / "doomed").unlink()
     (base / "doomed.sls").unlink()
     state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
-    saved = json.loads((state / "roots-file_roots.json").read_text())
-    (state / "roots-file_roots.json").write_text(json.dumps(dict(saved, manifest={})))
+    shutil.rmtree(state / "roots-file_roots.d")
     shutil.rmtree(state / "keys-snapshot.d")
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
     assert ret.returncode == 0, ret

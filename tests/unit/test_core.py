@@ -327,10 +327,10 @@ def test_keys_snapshot_with_a_damaged_bucket_lists_again(tmp_path):
     sha = first.manifest["minions"]["web1"]
     # malformed, of the wrong shape, another key's hash (altered or stale),
     # torn, lost: the bucket is never used, the keys are listed again
-    for damage in ('{"minions": {}}', '{"entries": {"minions": {"web1": 5}}}',
-                   json.dumps({"entries": {"minions": {"web1": [1, 2, 3, "0" * 64]}}}),
-                   json.dumps({"entries": {"minions": {"web1": [1, 2, 3, sha]},
-                                           "minions_pre": {"web1": [1, 2, 3, sha]}}}),
+    for damage in ('{"minions": {}}', '{"bucket": {"minions": {"web1": 5}}}',
+                   json.dumps({"bucket": {"minions": {"web1": [1, 2, 3, "0" * 64]}}}),
+                   json.dumps({"bucket": {"minions": {"web1": [1, 2, 3, sha]},
+                                          "minions_pre": {"web1": [1, 2, 3, sha]}}}),
                    "", None):
         if damage is None:
             bucket.unlink()
@@ -340,7 +340,7 @@ def test_keys_snapshot_with_a_damaged_bucket_lists_again(tmp_path):
         assert again.reused and again.buckets_read == 0
         assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
         assert again.digest == first.digest
-        assert json.loads(bucket.read_text())["entries"]["minions"]["web1"][3] == sha  # saved again
+        assert json.loads(bucket.read_text())["bucket"]["minions"]["web1"][3] == sha  # saved again
     (state / "keys-snapshot.json").write_text('{"pki_dir": "%s", "errors": {}}' % pki)
     damaged = manifest.KeysSnapshot(str(pki), str(state))
     assert not damaged.reused and damaged.manifest == first.manifest
@@ -588,3 +588,45 @@ def test_later_runs_each_write_once_in_order_and_logs_a_failure(tmp_path, caplog
     assert warned[0].endswith("), read again next time")
     fsutil.now_or_later(None, done.append, 3)
     assert done == [1, 2, 3]
+
+
+def test_saved_roots_manifest_writes_and_reads_the_changed_buckets_only(tmp_path, monkeypatch):
+    """
+    The primary's saved roots manifest (what a peer in step holds): a save
+    writes the buckets whose digest changed, a bucket is read when looked
+    up, and the parts of the digests it was opened with stay the answer
+    after a save (another peer planned later in the same sync).
+    """
+    man = {"base": {f"f{i}.sls": [i, 0o644, f"{i:064x}"] for i in range(200)}}
+    parts = manifest.split("file_roots", man)
+    digest = manifest.bucket_digests(parts)
+    manifest.SavedManifest(str(tmp_path), "file_roots").save(parts, digest)
+    written = []
+    real = fsutil.atomic_write
+    monkeypatch.setattr(fsutil, "atomic_write",
+                        lambda path, *a, **k: written.append(os.path.basename(path))
+                        or real(path, *a, **k))
+    last = manifest.SavedManifest(str(tmp_path), "file_roots")
+    assert last.digest == digest
+    now = {"base": dict(man["base"], **{"f7.sls": [8, 0o644, "f" * 64]})}
+    now["base"].pop("f9.sls")
+    new_parts = manifest.split("file_roots", now)
+    new_digest = manifest.bucket_digests(new_parts)
+    changed = sorted(b for b in set(digest) | set(new_digest) if digest.get(b) != new_digest.get(b))
+    assert changed == sorted({manifest.bucket_of("base/f7.sls"), manifest.bucket_of("base/f9.sls")})
+    previous = last.parts()
+    last.save(new_parts, new_digest)
+    assert sorted(written) == sorted([f"{b}.json" for b in changed] + ["roots-file_roots.json"])
+    assert dict(previous) == parts  # as when the save began
+    again = manifest.SavedManifest(str(tmp_path), "file_roots")
+    assert again.digest == new_digest and dict(again.parts()) == new_parts
+    # a bucket's file lost or altered: that bucket is missing, never wrong
+    bucket = changed[0]
+    (tmp_path / "roots-file_roots.d" / f"{bucket}.json").write_text(
+        json.dumps({"bucket": parts[bucket]}))
+    damaged = manifest.SavedManifest(str(tmp_path), "file_roots").parts()
+    assert bucket not in damaged and dict(damaged) == {
+        b: p for b, p in new_parts.items() if b != bucket}
+    # the single file of an earlier release: no saved state
+    (tmp_path / "roots-file_roots.json").write_text(json.dumps({"digest": digest, "manifest": man}))
+    assert manifest.SavedManifest(str(tmp_path), "file_roots").digest is None

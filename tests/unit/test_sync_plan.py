@@ -117,7 +117,7 @@ def _snapshot_of(tmp_path, man):
     state.mkdir(parents=True)
     parts = manifest.split("minion_keys", man)
     digest = manifest.bucket_digests(parts)
-    manifest.KeyBuckets(str(state), digest).save({
+    manifest.key_buckets(str(state), digest).save({
         b: {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in part.items()}
         for b, part in parts.items()})
     (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps({"digest": digest}))
