@@ -132,10 +132,40 @@ def update_history(state_dir, ops, report):
     as a deletion, and a key found only here as a conflict.
     """
     written = {op["id"] for op in ops if op["op"] == replicate.WRITE}
+    recorded = _recorded(state_dir)
     history = set(read_history(state_dir))
     history |= {r.split("/", 1)[1] for r in report["updated"]}
     history -= {r.split("/", 1)[1] for r in report["removed"]} - written
     _write_history(state_dir, history)
+    # the buckets of the ids this apply touched are recorded no more
+    touched = {manifest.bucket_of(op["id"]) for op in ops}
+    _save_recorded(state_dir, {b: d for b, d in recorded.items() if b not in touched})
+
+
+# What the last record_history found recorded: ``{bucket: digest}`` of the
+# buckets every id of which, at that digest, is in the key history, valid
+# while the history file is the one it was saved with (its stamp).
+RECORDED_NAME = "minion_keys_history.recorded.json"
+
+
+def _recorded(state_dir):
+    """``{bucket: digest}`` of the buckets whose ids are all in the key history, as last recorded."""
+    try:
+        with open(os.path.join(state_dir, RECORDED_NAME), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("stamp") != _history_stamp(state_dir) or (
+            not isinstance(data.get("buckets"), dict)):
+        return {}
+    return data["buckets"]
+
+
+def _save_recorded(state_dir, buckets):
+    # a cache: lost or stale (another history), every bucket is checked again
+    fsutil.atomic_write(os.path.join(state_dir, RECORDED_NAME),
+                        json.dumps({"stamp": _history_stamp(state_dir), "buckets": buckets}),
+                        mode=0o600, durable=False)
 
 
 def _journal(mopts):
@@ -149,19 +179,22 @@ def record_history(mopts, state_dir, primary_digest):
     peer's keys equal the primary's (``primary_digest``: the primary's
     bucket digests) came from the primary.  Stamped in the key snapshot, so
     the inventory tells the primary whether it is recorded
-    (``history_recorded``).
+    (``history_recorded``).  A bucket recorded at its digest before, and
+    untouched by an apply since, is not read again.
     """
     snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir,
                                  watch=_journal(mopts))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
-    if same:
-        # every bucket the same (the apply went through): every id, uncut
-        held = (snap.manifest if len(same) == len(snap.digest)
-                else manifest.merge(snap.parts, same))
+    recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
+    todo = [b for b in same if b not in recorded]
+    if todo:
+        held = manifest.merge(snap.parts, todo)
         ids = {mid for keys in held.values() for mid in keys}
         history = set(read_history(state_dir))
         if not ids <= history:
             _write_history(state_dir, history | ids)
+        recorded.update({b: snap.digest[b] for b in todo})
+        _save_recorded(state_dir, recorded)
     snap.remember(history=_history_stamp(state_dir))
 
 

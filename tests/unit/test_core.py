@@ -630,3 +630,47 @@ def test_saved_roots_manifest_writes_and_reads_the_changed_buckets_only(tmp_path
     # the single file of an earlier release: no saved state
     (tmp_path / "roots-file_roots.json").write_text(json.dumps({"digest": digest, "manifest": man}))
     assert manifest.SavedManifest(str(tmp_path), "file_roots").digest is None
+
+
+def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_digest(
+        tmp_path, monkeypatch):
+    """
+    peer.record_history: every id of a bucket equal to the primary's is in
+    the key history; a bucket recorded at its digest, untouched by an apply
+    and with the history file unchanged since, is not read again.
+    """
+    from salt_multimaster import peer
+
+    pki, state = tmp_path / "pki", str(tmp_path / "state")
+    (pki / "minions").mkdir(parents=True)
+    pub = gen_keypair(1024)[1]
+    for i in range(40):
+        (pki / "minions" / f"m{i}").write_bytes(pub)
+    mopts = {"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")}
+    asked = []
+    real = manifest.merge
+    monkeypatch.setattr(manifest, "merge", lambda parts, buckets: asked.append(sorted(buckets))
+                        or real(parts, buckets))
+
+    def record():
+        asked.clear()
+        digest = manifest.KeysSnapshot(str(pki), state).digest  # the primary's, the same keys
+        peer.record_history(mopts, state, digest)
+        return asked[0] if asked else []
+
+    every = sorted(manifest.KeysSnapshot(str(pki), state).digest)
+    assert record() == every
+    assert sorted(peer.read_history(state)) == sorted(f"m{i}" for i in range(40))
+    assert record() == []  # all recorded
+    new = next(f"n{i}" for i in range(1000) if manifest.bucket_of(f"n{i}") in every)
+    (pki / "minions" / new).write_bytes(pub)
+    assert record() == [manifest.bucket_of(new)] and new in peer.read_history(state)
+    # an apply that removed m3 (so the history lost it) and then wrote it back
+    # unchanged elsewhere: its bucket is read again
+    peer.update_history(state, [{"op": "remove", "state": "minions", "id": "m3"}],
+                        {"updated": [], "removed": ["minions/m3"]})
+    assert "m3" not in peer.read_history(state)
+    assert record() == [manifest.bucket_of("m3")] and "m3" in peer.read_history(state)
+    # the history rewritten by anyone else: every bucket is checked again
+    peer._write_history(state, ["m1"])  # pylint: disable=protected-access
+    assert record() == every and len(peer.read_history(state)) == 41
