@@ -17,7 +17,7 @@ import stat
 import time
 from collections.abc import Mapping
 
-from salt_multimaster import fsutil
+from salt_multimaster import fsutil, replicate
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +365,7 @@ def _dir_entries(root, rel_dir, dirpath, real_dir, inside, ignore, cache, old=No
     return files, subdirs, clean
 
 
-def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
+def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, touched=None):
     """
     The merged view Salt serves for one saltenv: ``rel -> [size, mode, sha256]``.
 
@@ -375,7 +375,8 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
     and a ``realpath`` only of a symlink: unchanged files are never read.
     ``records``: a :class:`DirRecords`; a directory it vouches for is taken
     from the last walk without being listed, and every clean directory
-    listed is recorded for the next walk.
+    listed is recorded for the next walk.  ``touched``: a :class:`Touched`
+    told of every directory listed.
     """
     ret = {}
     errors = errors if errors is not None else []
@@ -385,10 +386,11 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
         real_root = os.path.realpath(root)
         inside = real_root.rstrip(os.sep) + os.sep
         # (rel, path, the real paths above it, its real path when known:
-        # a directory that is no symlink in a resolved one)
-        stack = [("", root, frozenset(), real_root)]
+        # a directory that is no symlink in a resolved one, whether it is
+        # new since the last walk)
+        stack = [("", root, frozenset(), real_root, False)]
         while stack:
-            rel_dir, dirpath, ancestors, real_dir = stack.pop()
+            rel_dir, dirpath, ancestors, real_dir, new = stack.pop()
             if real_dir is None:
                 real_dir = os.path.realpath(dirpath)
             if real_dir != real_root and not real_dir.startswith(inside):
@@ -399,19 +401,25 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
             ancestors = ancestors | {real_dir}
             found = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
                      else None)
+            last = None  # what the last walk found in a directory listed now
             if found is None:
+                old = records.old(real_dir) if records is not None else None
                 try:
                     found = _dir_entries(
-                        root, rel_dir, dirpath, real_dir, inside, ignore, cache,
-                        old=records.old(real_dir) if records is not None else None,
+                        root, rel_dir, dirpath, real_dir, inside, ignore, cache, old=old,
                         # without records, a path already served is never statted
                         skip=ret.__contains__ if records is None else None)
                 except OSError as exc:
                     errors.append(Damaged(f"{root}: {rel_dir or '.'}: {exc.strerror}",
                                           f"{rel_dir}/" if rel_dir else "/"))
+                    if touched is not None:
+                        touched.complete = False
                     continue
                 if records is not None:
+                    last = records.listing(real_dir)
                     records.record(real_dir, rel_dir, *found)
+                if touched is not None:
+                    touched.listed(rel_dir, last, new, found)
             files, subdirs, _clean = found
             rel_prefix = f"{rel_dir}/" if rel_dir else ""
             for name, value, real, error in files:
@@ -424,9 +432,43 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None):
                 if seen is not None:
                     seen.append(real)
                 ret[rel] = value[:3]
-            stack.extend((rel_prefix + name, full, ancestors, real)
+            known = set(last[2]) if last is not None else ()
+            stack.extend((rel_prefix + name, full, ancestors, real,
+                          new or (last is not None and name not in known))
                          for name, full, real in reversed(subdirs))
     return ret
+
+
+class Touched:
+    """
+    What one saltenv's walk (:func:`tree_manifest` with records) listed:
+    ``rels``, the paths that may differ from the last walk (every file, then
+    and now, of each directory listed), and ``complete``: whether they are
+    all of them.  They are not when a listed directory has no record of the
+    last walk and is not new since, when a subdirectory went away (its
+    files are not listed), or when a directory cannot be listed.
+    """
+
+    def __init__(self):
+        self.rels = set()
+        self.complete = True
+
+    def listed(self, rel_dir, last, new, found):
+        """
+        A directory listed: what the last walk found there (``last``,
+        :meth:`DirRecords.listing`), whether it is ``new`` since, and what
+        was found now.
+        """
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        files, subdirs, _clean = found
+        if last is None:
+            self.complete = self.complete and new
+        else:
+            rel, names, was = last
+            self.rels.update(prefix + name for name in names)
+            if rel != rel_dir or set(was) - {name for name, _full, _real in subdirs}:
+                self.complete = False
+        self.rels.update(prefix + name for name, _value, _real, _error in files)
 
 
 class DirRecords:
@@ -449,6 +491,9 @@ class DirRecords:
         self._old = data["dirs"] if good else {}
         #: the watcher's token the saved records were read at (None: none)
         self.token = data["token"] if good else None
+        #: the saved records' generation, and this walk's (RootsParts)
+        self.gen = data.get("gen") if good else None
+        self.next_gen = os.urandom(8).hex()
         self.new = {}
         self._trees = ()
         self._dirty = frozenset()
@@ -512,26 +557,59 @@ class DirRecords:
         return files, subdirs, True
 
     def record(self, real_dir, rel_dir, files, subdirs, clean):
-        """Keep a clean listing for the next walk (any other is listed again)."""
+        """
+        Keep a clean listing for the next walk; of any other (listed again)
+        only its names, for :meth:`listing`.
+        """
         if clean:
             self.new[real_dir] = {"rel": rel_dir,
                                   "files": [[name] + value for name, value, _r, _e in files],
                                   "subdirs": [name for name, _f, _r in subdirs]}
+        else:
+            self.new[real_dir] = {"rel": rel_dir, "unclean": True,
+                                  "names": [name for name, _v, _r, _e in files],
+                                  "subdirs": [name for name, _f, _r in subdirs]}
+
+    def listing(self, real_dir):
+        """
+        ``(rel, file names, subdirectory names)`` of ``real_dir`` at the
+        last walk, clean or not; None when it was not walked (or the record
+        is not one).
+        """
+        rec = self._old.get(real_dir)
+        if not isinstance(rec, dict) or not isinstance(rec.get("rel"), str):
+            return None
+        if rec.get("unclean"):
+            names = rec.get("names")
+        else:
+            rec = self.old(real_dir)
+            names = [f[0] for f in rec["files"]] if rec is not None else None
+        if not isinstance(names, list) or not isinstance(rec.get("subdirs"), list) or not all(
+                isinstance(n, str) for n in names + rec["subdirs"]):
+            return None
+        return rec["rel"], names, rec["subdirs"]
 
     def save(self, token):
         """Save the records of this walk, read at the watcher's ``token``."""
         fsutil.makedirs(os.path.dirname(self.path), mode=0o700)
         fsutil.atomic_write(self.path, json.dumps({"token": token, "ignore": self.ignore_key,
-                                                   "dirs": self.new}),
+                                                   "gen": self.next_gen, "dirs": self.new}),
                             mode=0o600, durable=False)
 
 
-def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None, records=None):
-    """``{saltenv: tree_manifest}`` for a ``file_roots``/``pillar_roots`` mapping."""
+def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None, records=None,
+                   touched=None):
+    """
+    ``{saltenv: tree_manifest}`` for a ``file_roots``/``pillar_roots``
+    mapping.  ``touched``: a dict given each saltenv's :class:`Touched`.
+    """
     ret = {}
     for env, roots in sorted((roots_by_env or {}).items()):
         found = []
-        ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found, records=records)
+        if touched is not None:
+            touched[env] = Touched()
+        ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found, records=records,
+                                 touched=touched[env] if touched is not None else None)
         for error in found:
             if isinstance(error, Damaged):
                 error.where = env
@@ -552,7 +630,8 @@ def damaged_sources(errors):
     return ret
 
 
-def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None):
+def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None,
+               buckets=None):
     """
     ``({category: roots_manifest}, {category: errors})`` of the
     ``file_roots``/``pillar_roots`` among ``categories``, through the roots
@@ -562,7 +641,9 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
     the cache's save is put off to.  ``watch``: a function asking the
     watcher which directories changed since a token (:func:`watch.query`
     bound to its socket); when it answers, the directories it vouches for
-    are not listed (:class:`DirRecords`).
+    are not listed (:class:`DirRecords`).  ``buckets``: a dict given each
+    category's :class:`RootsParts` (the one it holds is used), updated by
+    this read and saved with it.
     """
     cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
     if not cats:
@@ -581,8 +662,15 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
     seen, mans, errors = [], {}, {}
     for cat in cats:
         errors[cat] = []
+        touched = {} if records is not None and buckets is not None else None
         mans[cat] = roots_manifest(opts.get(cat), ignore, cache, seen=seen,
-                                   errors=errors[cat], records=records)
+                                   errors=errors[cat], records=records, touched=touched)
+        if buckets is not None:
+            parts = buckets.setdefault(cat, RootsParts(state_dir, cat))
+            changed = parts.update(opts.get(cat), mans[cat], touched,
+                                   records.gen if records is not None else None)
+            fsutil.now_or_later(later, parts.save, changed,
+                                records.next_gen if records is not None else None)
     if records is not None:
         log.debug("multimaster: roots read at watcher token %s, %d director(ies) unlisted",
                   reply.get("seq"), records.reused)
@@ -855,6 +943,7 @@ class BucketFiles:
         self.dir = directory
         self.digest = digest if isinstance(digest, dict) else {}
         self.files_read = 0
+        self.bad = set()  # buckets whose file did not match
         self._valid = valid
         self._part = part or (lambda data: data)
         self._read = {}
@@ -873,6 +962,7 @@ class BucketFiles:
                 data = saved.get("bucket") if isinstance(saved, dict) else None
                 if not self._valid(data) or _part_digest(self._part(data)) != want:
                     data = None
+                    self.bad.add(bucket)
             self._read[bucket] = data
         return self._read[bucket]
 
@@ -1355,48 +1445,131 @@ def _valid_roots_part(part):
         for files in part.values())
 
 
-class SavedManifest:
+def _safe_digest(part, raw):
+    """The digest of a bucket part as a peer in step holds it (``raw``: the part's own)."""
+    safe = replicate.safe_tree(part)
+    return raw if safe is part else _part_digest(safe)
+
+
+class RootsParts:
     """
-    A roots category's bucket digests and parts as the primary last read
-    them (``roots-<category>.json`` in ``state_dir``, the parts one file
-    per bucket in ``roots-<category>.d``, :class:`BucketFiles`): what a peer
-    in step with the last sync holds.  A save writes the buckets whose
-    digest changed; :meth:`parts` reads a bucket when first looked up.
+    A roots category's manifest cut in buckets (:func:`split`) as the last
+    read of this master found it: ``roots-<category>.json`` (the digests,
+    raw and as a peer in step holds them: ``safe``, modes through
+    :func:`replicate.safe_tree`) and one file per bucket in
+    ``roots-<category>.d`` (:class:`BucketFiles`).  On the primary it is
+    the previous state a plan reads (:meth:`previous`).
+
+    :meth:`update` sets this read's ``parts``, ``raw`` and ``safe``
+    digests.  When the read walked with the change journal, every listed
+    directory's paths are known (:class:`Touched`) and the saved buckets
+    were cut from the records it walked from (their generation, ``gen``),
+    only the buckets of those paths are cut and digested again, from their
+    saved files; any other read cuts the whole manifest.  :meth:`save`
+    writes the buckets whose digest changed.
     """
 
-    FORMAT = 2  # the parts in bucket files
+    FORMAT = 3
 
     def __init__(self, state_dir, cat):
         self.cat = cat
         self.path = os.path.join(state_dir, f"roots-{cat}.json")
         data = _read_json(self.path)
         good = (isinstance(data, dict) and data.get("format") == self.FORMAT
-                and isinstance(data.get("digest"), dict))
+                and isinstance(data.get("digest"), dict) and isinstance(data.get("safe"), dict))
         self.data = data if good else {}
-        self._files = BucketFiles(os.path.join(state_dir, f"roots-{cat}.d"), self.digest,
-                                  _valid_roots_part)
+        self._files = BucketFiles(os.path.join(state_dir, f"roots-{cat}.d"),
+                                  self.data.get("digest"), _valid_roots_part)
+        self.parts = self.raw = self.safe = None
+        self.cut = None  # how update() cut: "buckets" or "all"
+        self._roots = None
 
     @property
     def digest(self):
-        return self.data.get("digest")
+        """The digests of the last read as a peer in step holds them (None: none)."""
+        return self.data.get("safe")
 
-    def parts(self):
+    def previous(self):
         """
-        ``{bucket: part}`` of :attr:`digest`, each bucket read when first
-        looked up; one whose file does not match is missing (so a peer
-        holding it is asked, a second round).
+        ``(digests, function returning the parts)`` of the last read, as a
+        peer in step holds them; None without one.  A bucket whose file does
+        not match is missing from the parts (a peer holding it is asked).
         """
-        return _LazyParts(lambda: self.digest or {}, self._files.get)
+        if self.digest is None:
+            return None
+        raw, files = self.data["digest"], self._files
 
-    def save(self, parts, digests):
-        """Save a read's bucket parts (safe: :func:`replicate.safe_parts`) and their ``digests``."""
-        if digests == self.digest:
-            return
-        old = self.digest or {}
-        changed = {b: part for b, part in parts.items() if old.get(b) != digests.get(b)}
-        changed.update({b: {} for b in old if b not in digests})
-        # used only for a peer whose digests equal these: a stale or lost
-        # file costs a second round, never a wrong plan
+        def part(bucket):
+            got = files.get(bucket)
+            return None if got is None else replicate.safe_tree(got)
+
+        parts = _LazyParts(lambda: raw, part)
+        return self.digest, lambda: parts
+
+    def update(self, roots_by_env, man, touched, gen):
+        """
+        This read's ``parts``, ``raw`` and ``safe`` digests from its
+        manifest ``man``; ``touched``: ``{saltenv: Touched}`` of a walk with
+        records (else None), ``gen``: the generation of the records it
+        walked from.  Returns the buckets to save, ``{bucket: part}``.
+        """
+        self._roots = {env: [r for r in roots if os.path.isdir(r)]
+                       for env, roots in (roots_by_env or {}).items()}
+        changed = None
+        if (touched is not None and gen is not None and self.data.get("gen") == gen
+                and self.data.get("roots") == self._roots and set(touched) == set(man)
+                and all(t.complete for t in touched.values())):
+            changed = self._cut_buckets(man, touched)
+        if changed is None:
+            parts = split(self.cat, man)
+            raw = bucket_digests(parts)
+            old = self.data.get("digest") or {}
+            changed = {b: part for b, part in parts.items()
+                       if old.get(b) != raw[b] or b in self._files.bad}
+            changed.update({b: {} for b in old if b not in raw})
+            self.parts, self.raw, self.cut = parts, raw, "all"
+            self.safe = {b: _safe_digest(part, raw[b]) for b, part in parts.items()}
+        return changed
+
+    def _cut_buckets(self, man, touched):
+        """:meth:`update` of the buckets of the touched paths only; None when it cannot."""
+        where = {}
+        for env, paths in touched.items():
+            for rel in paths.rels:
+                where.setdefault(bucket_of(f"{env}/{rel}"), []).append((env, rel))
+        if len(where) > BUCKETS // 2:
+            return None  # most buckets: the whole manifest is cut
+        raw, safe, new = dict(self.data["digest"]), dict(self.data["safe"]), {}
+        for bucket, paths in where.items():
+            old = self._files.get(bucket)
+            if old is None:
+                return None
+            part = {env: dict(files) for env, files in old.items()}
+            for env, rel in paths:
+                value = man[env].get(rel)
+                if value is not None:
+                    part.setdefault(env, {})[rel] = value
+                elif rel in part.get(env, ()):
+                    del part[env][rel]
+            new[bucket] = part = {env: files for env, files in part.items() if files}
+            if part:
+                raw[bucket] = _part_digest(part)
+                safe[bucket] = _safe_digest(part, raw[bucket])
+            else:
+                raw.pop(bucket, None)
+                safe.pop(bucket, None)
+        files = self._files
+        self.parts = _LazyParts(lambda: raw,
+                                lambda b: new[b] if b in new else files.get(b))
+        self.raw, self.safe, self.cut = raw, safe, "buckets"
+        return new
+
+    def save(self, changed, gen):
+        """Write the ``changed`` buckets and the digests of :meth:`update`, cut at records ``gen``."""
+        # what the primary plans from only for a peer whose digests equal
+        # these, each bucket checked: a lost or stale file costs a second
+        # round, never a wrong plan
         self._files.save(changed)
-        fsutil.atomic_write(self.path, json.dumps({"format": self.FORMAT, "digest": digests}),
-                            mode=0o600, durable=False)
+        fsutil.atomic_write(self.path, json.dumps({
+            "format": self.FORMAT, "gen": gen, "roots": self._roots, "digest": self.raw,
+            "safe": self.safe}), mode=0o600, durable=False)

@@ -213,9 +213,10 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
+    buckets = {}
     roots, roots_errors = manifest.read_roots(
         mopts, categories, state_dir, rescan=rescan,
-        watch=_journal(mopts))
+        watch=_journal(mopts), buckets=buckets)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -229,11 +230,10 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
         elif cat == "minion_keys":
             ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan)
         else:
-            parts = manifest.split(cat, roots[cat])
-            mine = manifest.bucket_digests(parts)
-            diff = manifest.differing(digests.get(cat) or {}, mine)
-            ret[cat] = {"digest": mine, "errors": roots_errors[cat], "buckets": diff,
-                        "manifest": manifest.merge(parts, diff),
+            read = buckets[cat]
+            diff = manifest.differing(digests.get(cat) or {}, read.raw)
+            ret[cat] = {"digest": read.raw, "errors": roots_errors[cat], "buckets": diff,
+                        "manifest": manifest.merge(read.parts, diff),
                         "envs": sorted(mopts.get(cat) or {})}
     return ret
 

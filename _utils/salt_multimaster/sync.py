@@ -51,7 +51,7 @@ MAX_HELD_IDS = 2000
 def saved_state(opts, categories):
     """
     The keys snapshot's digests and the saved roots manifests, as the last
-    sync read them: ``({category: digests}, {category: SavedManifest})``.
+    sync read them: ``({category: digests}, {category: RootsParts})``.
     No key or file is looked at.
     """
     state_dir = layout.state_dir(opts)
@@ -60,7 +60,7 @@ def saved_state(opts, categories):
         if cat == "minion_keys":
             digest = manifest.KeysSnapshot.saved_digest(opts["pki_dir"], state_dir)
         elif cat in ("file_roots", "pillar_roots"):
-            saved[cat] = manifest.SavedManifest(state_dir, cat)
+            saved[cat] = manifest.RootsParts(state_dir, cat)
             digest = saved[cat].digest
         else:
             continue
@@ -80,11 +80,11 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     has published.
     """
     cache_dir = layout.state_dir(opts)
-    saved = saved or {}
+    buckets = dict(saved or {})
     errors, state = [], {}
     journal = watch.client(cache_dir)
     roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                              later=later, watch=journal)
+                                              later=later, watch=journal, buckets=buckets)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -98,19 +98,14 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
             state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
         elif cat in roots:
-            man = roots[cat]
             errors.extend(roots_errors[cat])
-            parts = manifest.split(cat, man)
-            # digests and the saved manifest describe a peer in step: modes
-            # less the bits a sync never writes (the plan warns of those)
-            safe = replicate.safe_parts(parts)
-            digest = manifest.bucket_digests(safe)
-            last = saved.get(cat) or manifest.SavedManifest(cache_dir, cat)
-            state[cat] = {"manifest": man, "parts": parts, "digest": digest,
+            read = buckets[cat]
+            # the digests describe a peer in step: modes less the bits a
+            # sync never writes (the plan warns of those)
+            state[cat] = {"manifest": roots[cat], "parts": read.parts, "digest": read.safe,
                           "envs": sorted(opts.get(cat) or {}),
-                          "previous": (last.digest, last.parts) if last.digest else None,
+                          "previous": read.previous(),
                           "damaged": manifest.damaged_sources(roots_errors[cat])}
-            fsutil.now_or_later(later, last.save, safe, digest)
         elif cat == "master_keys":
             pem, pub = layout.master_key_files(opts, topology)
             state[cat] = {"files": {"pem": pem, "pub": pub},

@@ -590,46 +590,51 @@ def test_later_runs_each_write_once_in_order_and_logs_a_failure(tmp_path, caplog
     assert done == [1, 2, 3]
 
 
-def test_saved_roots_manifest_writes_and_reads_the_changed_buckets_only(tmp_path, monkeypatch):
+def test_saved_roots_parts_write_and_read_the_changed_buckets_only(tmp_path, monkeypatch):
     """
-    The primary's saved roots manifest (what a peer in step holds): a save
-    writes the buckets whose digest changed, a bucket is read when looked
-    up, and the parts of the digests it was opened with stay the answer
-    after a save (another peer planned later in the same sync).
+    The roots manifest cut in buckets as the last read found it (the
+    primary's previous state): a save writes the buckets whose digest
+    changed, a bucket is read when looked up, and the previous parts stay
+    the answer after a save (another peer planned later in the same sync).
     """
     man = {"base": {f"f{i}.sls": [i, 0o644, f"{i:064x}"] for i in range(200)}}
+    roots = {"base": [str(tmp_path)]}
+    first = manifest.RootsParts(str(tmp_path), "file_roots")
+    assert first.previous() is None
+    first.save(first.update(roots, man, None, None), None)
     parts = manifest.split("file_roots", man)
-    digest = manifest.bucket_digests(parts)
-    manifest.SavedManifest(str(tmp_path), "file_roots").save(parts, digest)
+    assert first.raw == first.safe == manifest.bucket_digests(parts) and first.parts == parts
     written = []
     real = fsutil.atomic_write
     monkeypatch.setattr(fsutil, "atomic_write",
                         lambda path, *a, **k: written.append(os.path.basename(path))
                         or real(path, *a, **k))
-    last = manifest.SavedManifest(str(tmp_path), "file_roots")
-    assert last.digest == digest
+    last = manifest.RootsParts(str(tmp_path), "file_roots")
+    assert last.digest == first.safe
     now = {"base": dict(man["base"], **{"f7.sls": [8, 0o644, "f" * 64]})}
     now["base"].pop("f9.sls")
-    new_parts = manifest.split("file_roots", now)
-    new_digest = manifest.bucket_digests(new_parts)
-    changed = sorted(b for b in set(digest) | set(new_digest) if digest.get(b) != new_digest.get(b))
-    assert changed == sorted({manifest.bucket_of("base/f7.sls"), manifest.bucket_of("base/f9.sls")})
-    previous = last.parts()
-    last.save(new_parts, new_digest)
+    changed = sorted({manifest.bucket_of("base/f7.sls"), manifest.bucket_of("base/f9.sls")})
+    digest, previous = last.previous()
+    assert sorted(last.update(roots, now, None, None)) == changed
+    last.save(last.update(roots, now, None, None), None)
     assert sorted(written) == sorted([f"{b}.json" for b in changed] + ["roots-file_roots.json"])
-    assert dict(previous) == parts  # as when the save began
-    again = manifest.SavedManifest(str(tmp_path), "file_roots")
-    assert again.digest == new_digest and dict(again.parts()) == new_parts
+    assert digest == first.safe and dict(previous()) == parts  # as when the save began
+    again = manifest.RootsParts(str(tmp_path), "file_roots")
+    new_parts = manifest.split("file_roots", now)
+    assert again.digest == manifest.bucket_digests(new_parts)
+    assert dict(again.previous()[1]()) == new_parts
     # a bucket's file lost or altered: that bucket is missing, never wrong
     bucket = changed[0]
     (tmp_path / "roots-file_roots.d" / f"{bucket}.json").write_text(
         json.dumps({"bucket": parts[bucket]}))
-    damaged = manifest.SavedManifest(str(tmp_path), "file_roots").parts()
-    assert bucket not in damaged and dict(damaged) == {
+    damaged = manifest.RootsParts(str(tmp_path), "file_roots")
+    assert bucket not in damaged.previous()[1]() and dict(damaged.previous()[1]()) == {
         b: p for b, p in new_parts.items() if b != bucket}
+    # and it is written again by the next read, although its digest is the same
+    assert bucket in damaged.update(roots, now, None, None)
     # the single file of an earlier release: no saved state
     (tmp_path / "roots-file_roots.json").write_text(json.dumps({"digest": digest, "manifest": man}))
-    assert manifest.SavedManifest(str(tmp_path), "file_roots").digest is None
+    assert manifest.RootsParts(str(tmp_path), "file_roots").digest is None
 
 
 def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_digest(

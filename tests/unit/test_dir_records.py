@@ -7,6 +7,7 @@ changed; tests/unit/test_watch.py tests the real one, and
 test_read_roots_with_the_real_watcher below ties the two.
 """
 
+import json
 import os
 import random
 
@@ -158,10 +159,50 @@ def test_every_directory_is_listed_when_the_watcher_cannot_vouch(tree, tmp_path,
     assert str(a) in listed
 
 
+def _random_change(rng, a, b, fake):
+    """
+    One random change in root ``a`` or ``b``, told to ``fake``: a file added,
+    rewritten in place, chmodded, removed; a directory added with files or
+    removed; a symlink; an ignored file.
+    """
+    root = rng.choice([a, b])
+    dirs = [root] + [p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()]
+    d = rng.choice(dirs)
+    files = [p for p in d.iterdir() if p.is_file() and not p.is_symlink()]
+    op = rng.choice(["add", "write", "chmod", "rm", "mkdir", "rmdir", "link", "swp"])
+    if op == "add" or (op in ("write", "chmod", "rm") and not files):
+        (d / f"f{rng.randrange(1000)}.sls").write_text(str(rng.random()))
+    elif op == "write":
+        with open(rng.choice(files), "r+b") as fh:
+            fh.write(os.urandom(4))
+    elif op == "chmod":
+        rng.choice(files).chmod(rng.choice([0o600, 0o644, 0o755]))
+    elif op == "rm":
+        rng.choice(files).unlink()
+    elif op == "mkdir":
+        new = d / f"d{rng.randrange(1000)}" / "inner"
+        new.mkdir(parents=True, exist_ok=True)
+        (new / "n.sls").write_text("n")
+        for p in [new.parent, new]:
+            fake.touch(p)
+    elif op == "rmdir" and d != root:
+        for p in sorted(d.rglob("*"), reverse=True):
+            p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
+        d.rmdir()
+        fake.touch(d.parent)
+        return
+    elif op == "link" and files:
+        link = d / f"l{rng.randrange(1000)}.sls"
+        if not os.path.lexists(link):
+            link.symlink_to(rng.choice(files).name)
+    elif op == "swp":
+        (d / f"s{rng.randrange(10)}.swp").write_text("ignored")
+    fake.touch(d)
+
+
 def test_random_changes_read_as_a_full_walk_does(tree, tmp_path):
     """
-    Files added, rewritten in place, chmodded, removed; directories added
-    with files and removed; symlinks and unreadable files: after each round
+    Random changes (:func:`_random_change`), 40 rounds: after each round
     the watched read equals a full walk, errors included.
     """
     a, b = tree
@@ -171,40 +212,61 @@ def test_random_changes_read_as_a_full_walk_does(tree, tmp_path):
     _read(opts, state, fake)
     for _ in range(40):
         for _ in range(rng.randint(1, 4)):
-            root = rng.choice([a, b])
-            dirs = [root] + [p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()]
-            d = rng.choice(dirs)
-            files = [p for p in d.iterdir() if p.is_file() and not p.is_symlink()]
-            op = rng.choice(["add", "write", "chmod", "rm", "mkdir", "rmdir", "link", "swp"])
-            if op == "add" or (op in ("write", "chmod", "rm") and not files):
-                (d / f"f{rng.randrange(1000)}.sls").write_text(str(rng.random()))
-            elif op == "write":
-                with open(rng.choice(files), "r+b") as fh:
-                    fh.write(os.urandom(4))
-            elif op == "chmod":
-                rng.choice(files).chmod(rng.choice([0o600, 0o644, 0o755]))
-            elif op == "rm":
-                rng.choice(files).unlink()
-            elif op == "mkdir":
-                new = d / f"d{rng.randrange(1000)}" / "inner"
-                new.mkdir(parents=True, exist_ok=True)
-                (new / "n.sls").write_text("n")
-                for p in [new.parent, new]:
-                    fake.touch(p)
-            elif op == "rmdir" and d != root:
-                for p in sorted(d.rglob("*"), reverse=True):
-                    p.unlink() if not p.is_dir() or p.is_symlink() else p.rmdir()
-                d.rmdir()
-                fake.touch(d.parent)
-                continue
-            elif op == "link" and files:
-                link = d / f"l{rng.randrange(1000)}.sls"
-                if not os.path.lexists(link):
-                    link.symlink_to(rng.choice(files).name)
-            elif op == "swp":
-                (d / f"s{rng.randrange(10)}.swp").write_text("ignored")
-            fake.touch(d)
+            _random_change(rng, a, b, fake)
         assert _read(opts, state, fake) == _full(opts, tmp_path)
+
+
+def _cut(opts, state, watch=None):
+    """The buckets of a read: ``({category: (raw digests, parts, safe digests)}, how cut)``."""
+    buckets = {}
+    manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state), watch=watch,
+                        buckets=buckets)
+    return ({cat: (got.raw, dict(got.parts), got.safe) for cat, got in buckets.items()},
+            {cat: got.cut for cat, got in buckets.items()})
+
+
+@pytest.mark.parametrize("seed", [3, 17, 29])
+def test_random_changes_cut_in_buckets_as_a_full_walk_does(tree, tmp_path, seed):
+    """
+    With the journal, only the buckets of the paths of the directories
+    listed are cut and digested again (RootsParts): after each round of
+    random changes the parts and digests equal those of a full walk, and
+    most rounds cut only buckets.
+    """
+    a, b = tree
+    for i in range(60):  # enough paths for many buckets
+        (a / f"many{i % 6}").mkdir(exist_ok=True)
+        (a / f"many{i % 6}" / f"f{i}.sls").write_text(str(i))
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    rng = random.Random(seed)
+    assert _cut(opts, state, fake)[1] == {"file_roots": "all", "pillar_roots": "all"}
+    cuts = []
+    for _ in range(30):
+        for _ in range(rng.randint(1, 3)):
+            _random_change(rng, a, b, fake)
+        got, how = _cut(opts, state, fake)
+        assert got == _cut(opts, tmp_path / f"fresh-{rng.random()}")[0]
+        cuts.append(how["file_roots"])
+    assert cuts.count("buckets") >= 10, cuts
+
+
+def test_a_changed_file_cuts_and_reads_its_bucket_only(tree, tmp_path):
+    a, b = tree
+    for i in range(200):
+        (a / "top" / f"many{i}.sls").write_text(str(i))
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _cut(opts, state, fake)
+    (a / "x.sls").write_text("x changed")
+    fake.touch(a, "x.sls")
+    buckets = {}
+    manifest.read_roots(opts, ["file_roots"], str(state), watch=fake, buckets=buckets)
+    got = buckets["file_roots"]
+    # the root's own directory was listed: its three files' buckets, in base
+    # and dev (b is a root of both), are read and cut again
+    assert got.cut == "buckets" and got._files.files_read <= 4  # pylint: disable=protected-access
+    assert (got.raw, dict(got.parts)) == _cut(opts, tmp_path / "fresh")[0]["file_roots"][:2]
 
 
 def test_read_roots_with_the_real_watcher(tree, tmp_path, monkeypatch):
@@ -529,3 +591,36 @@ def test_random_key_changes_through_the_journal_read_as_a_listing(pki, tmp_path)
         assert digest == last["digest"], rnd
         assert dict(parts()) == manifest.split("minion_keys", last["manifest"]), rnd
         last = got
+
+
+@pytest.mark.parametrize("damage", ["record", "subdir-record", "parts-older"])
+def test_buckets_are_cut_from_a_full_walk_when_the_last_one_is_not_known(tree, tmp_path,
+                                                                          damage):
+    """
+    A listed directory whose last listing is unknown (its record damaged),
+    though it is no new one, or saved buckets older than the records the
+    walk started from (a crash between the two saves): what changed there
+    cannot be told, and everything is cut again.
+    """
+    a, b = tree
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _cut(opts, state, fake)
+    parts_meta = (state / "roots-file_roots.json").read_text()
+    (a / "top" / "gone.sls").write_text("soon gone")
+    fake.touch(a / "top", "gone.sls")
+    _cut(opts, state, fake)
+    if damage == "parts-older":
+        (state / "roots-file_roots.json").write_text(parts_meta)  # before gone.sls
+    else:
+        (a / "top" / "gone.sls").unlink()
+        fake.touch(a / "top", "gone.sls")
+        if damage == "subdir-record":
+            (a / "x.sls").write_text("x again")  # the parent listed too
+            fake.touch(a, "x.sls")
+        records = json.loads((state / manifest.ROOTS_DIRS).read_text())
+        records["dirs"][os.path.realpath(a / "top")] = {"rel": "top"}  # not a record
+        (state / manifest.ROOTS_DIRS).write_text(json.dumps(records))
+    got, how = _cut(opts, state, fake)
+    assert how["file_roots"] == "all"
+    assert got == _cut(opts, tmp_path / "fresh")[0]
