@@ -419,7 +419,7 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, to
                     last = records.listing(real_dir)
                     records.record(real_dir, rel_dir, *found)
                 if touched is not None:
-                    touched.listed(rel_dir, last, new, found)
+                    touched.listed(rel_dir, last, new, found, records.changed_names(real_dir))
             files, subdirs, _clean = found
             rel_prefix = f"{rel_dir}/" if rel_dir else ""
             for name, value, real, error in files:
@@ -453,21 +453,27 @@ class Touched:
         self.rels = set()
         self.complete = True
 
-    def listed(self, rel_dir, last, new, found):
+    def listed(self, rel_dir, last, new, found, changed=None):
         """
         A directory listed: what the last walk found there (``last``,
-        :meth:`DirRecords.listing`), whether it is ``new`` since, and what
-        was found now.
+        :meth:`DirRecords.listing`), whether it is ``new`` since, what was
+        found now, and the names of its entries the watcher says changed
+        (``changed``; None: not known).  When they are known and the last
+        listing was clean (no symlink, which may lead to a file changed
+        elsewhere), only those paths may differ.
         """
         prefix = f"{rel_dir}/" if rel_dir else ""
         files, subdirs, _clean = found
         if last is None:
             self.complete = self.complete and new
         else:
-            rel, names, was = last
-            self.rels.update(prefix + name for name in names)
+            rel, names, was, clean = last
             if rel != rel_dir or set(was) - {name for name, _full, _real in subdirs}:
                 self.complete = False
+            if changed is not None and clean and _clean:
+                self.rels.update(prefix + name for name in changed)
+                return
+            self.rels.update(prefix + name for name in names)
         self.rels.update(prefix + name for name, _value, _real, _error in files)
 
 
@@ -497,6 +503,7 @@ class DirRecords:
         self.new = {}
         self._trees = ()
         self._dirty = frozenset()
+        self._names = {}
         self.reused = 0
 
     def use(self, reply):
@@ -514,13 +521,32 @@ class DirRecords:
                   if t != u and (t.startswith(u.rstrip(os.sep) + os.sep)
                                  or u.startswith(t.rstrip(os.sep) + os.sep))}
         vouched, dirty = [], set()
+        names = reply.get("names") if isinstance(reply.get("names"), dict) else {}
         for tree in trees:
             rels = changed.get(tree)
             if tree in unwatched or tree in nested or not isinstance(rels, list):
                 continue
             vouched.append(tree.rstrip(os.sep) + os.sep)
-            dirty.update(os.path.join(tree, rel) if rel else tree for rel in rels)
+            known = names.get(tree) if isinstance(names.get(tree), dict) else {}
+            for rel in rels:
+                path = os.path.join(tree, rel) if rel else tree
+                dirty.add(path)
+                got = known.get(rel)
+                # "": the directory itself changed, which names nothing
+                if isinstance(got, list) and "" not in got and all(
+                        isinstance(n, str) for n in got):
+                    self._names[path] = frozenset(got)
         self._trees, self._dirty = tuple(vouched), frozenset(dirty)
+
+    def changed_names(self, real_dir):
+        """
+        The names of the entries of ``real_dir`` the watcher says changed
+        since the token, when it names them all; else None (unknown, or
+        not a directory it vouches for).
+        """
+        if real_dir not in self._dirty or not (real_dir + os.sep).startswith(self._trees):
+            return None
+        return self._names.get(real_dir)
 
     def _vouched(self, real_dir):
         return real_dir not in self._dirty and (real_dir + os.sep).startswith(self._trees)
@@ -572,14 +598,15 @@ class DirRecords:
 
     def listing(self, real_dir):
         """
-        ``(rel, file names, subdirectory names)`` of ``real_dir`` at the
-        last walk, clean or not; None when it was not walked (or the record
-        is not one).
+        ``(rel, file names, subdirectory names, clean)`` of ``real_dir`` at
+        the last walk, clean or not; None when it was not walked (or the
+        record is not one).
         """
         rec = self._old.get(real_dir)
         if not isinstance(rec, dict) or not isinstance(rec.get("rel"), str):
             return None
-        if rec.get("unclean"):
+        clean = not rec.get("unclean")
+        if not clean:
             names = rec.get("names")
         else:
             rec = self.old(real_dir)
@@ -587,7 +614,7 @@ class DirRecords:
         if not isinstance(names, list) or not isinstance(rec.get("subdirs"), list) or not all(
                 isinstance(n, str) for n in names + rec["subdirs"]):
             return None
-        return rec["rel"], names, rec["subdirs"]
+        return rec["rel"], names, rec["subdirs"], clean
 
     def save(self, token):
         """Save the records of this walk, read at the watcher's ``token``."""
