@@ -31,6 +31,7 @@ REWRITTEN_IN_PLACE = ("minions_denied",)
 KEYS_HASHCACHE = "hashcache-keys.json"
 # the directories of the last roots walk, with the watcher's token (DirRecords)
 ROOTS_DIRS = "roots-dirs.json"
+ROOTS_DIRS_BUCKETS = "roots-dirs.d"
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 # its keys, one file per bucket (key_buckets)
@@ -486,15 +487,28 @@ class DirRecords:
     syscall; any other is listed (:func:`_dir_entries`), and recorded when
     clean.  Only a watcher makes a record trusted: without one the walk
     lists every directory, as it always did.
+
+    The records are kept one file per bucket of their directory's path
+    (:data:`ROOTS_DIRS_BUCKETS`), each with the generation of the save that
+    wrote it, which :data:`ROOTS_DIRS` names: a save writes the buckets
+    whose records changed, then that file, and a bucket's file of another
+    generation (a crash, two saves at once) is not used.
     """
 
     def __init__(self, state_dir, ignore):
         self.path = os.path.join(state_dir, ROOTS_DIRS)
+        self.dir = os.path.join(state_dir, ROOTS_DIRS_BUCKETS)
         self.ignore_key = [[r.pattern for r in ignore.regex], list(ignore.glob)]
         data = _read_json(self.path)
         good = (isinstance(data, dict) and data.get("ignore") == self.ignore_key
-                and isinstance(data.get("dirs"), dict) and isinstance(data.get("token"), dict))
-        self._old = data["dirs"] if good else {}
+                and isinstance(data.get("buckets"), dict) and isinstance(data.get("token"), dict))
+        self._old, self._saved = {}, {}  # the records; {bucket: (generation, its records)}
+        for bucket, gen in (data["buckets"] if good else {}).items():
+            saved = _read_json(os.path.join(self.dir, f"{bucket}.json"))
+            if (isinstance(saved, dict) and saved.get("gen") == gen
+                    and isinstance(saved.get("dirs"), dict)):
+                self._saved[bucket] = (gen, saved["dirs"])
+                self._old.update(saved["dirs"])
         #: the watcher's token the saved records were read at (None: none)
         self.token = data["token"] if good else None
         #: the saved records' generation, and this walk's (RootsParts)
@@ -618,9 +632,25 @@ class DirRecords:
 
     def save(self, token):
         """Save the records of this walk, read at the watcher's ``token``."""
-        fsutil.makedirs(os.path.dirname(self.path), mode=0o700)
+        fsutil.makedirs(self.dir, mode=0o700)
+        cut = {}
+        for real_dir, rec in self.new.items():
+            cut.setdefault(bucket_of(real_dir), {})[real_dir] = rec
+        files = {}
+        for bucket in set(cut) | set(self._saved):
+            dirs = cut.get(bucket)
+            gen, saved = self._saved.get(bucket, (None, None))
+            if dirs is not None and dirs == saved:
+                files[bucket] = gen
+            elif dirs:
+                fsutil.atomic_write(os.path.join(self.dir, f"{bucket}.json"),
+                                    json.dumps({"gen": self.next_gen, "dirs": dirs}),
+                                    mode=0o600, durable=False)
+                files[bucket] = self.next_gen
+            else:
+                fsutil.remove(os.path.join(self.dir, f"{bucket}.json"))
         fsutil.atomic_write(self.path, json.dumps({"token": token, "ignore": self.ignore_key,
-                                                   "gen": self.next_gen, "dirs": self.new}),
+                                                   "gen": self.next_gen, "buckets": files}),
                             mode=0o600, durable=False)
 
 

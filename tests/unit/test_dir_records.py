@@ -329,7 +329,6 @@ def test_an_apply_records_the_hashes_it_wrote_only_when_it_pays(tmp_path, files,
     read again by the next inventory instead.
     """
     import hashlib
-    import json
 
     from salt_multimaster import peer
 
@@ -499,6 +498,14 @@ def test_many_changed_files_are_looked_up_in_the_hash_cache(tree, tmp_path):
     assert mans == _full(opts, tmp_path)[0]["file_roots"]
 
 
+def _edit_records(state, edit):
+    """Apply ``edit`` to the records (``{real dir: record}``) of each saved bucket of DirRecords."""
+    for path in (state / manifest.ROOTS_DIRS_BUCKETS).iterdir():
+        saved = json.loads(path.read_text())
+        edit(saved["dirs"])
+        path.write_text(json.dumps(saved))
+
+
 def _records(state, fake):
     records = manifest.DirRecords(str(state), manifest.Ignore())
     records.use(fake(records.token))
@@ -510,20 +517,20 @@ def _records(state, fake):
 ])
 def test_damaged_records_are_read_as_none(tree, tmp_path, damage):
     """A records file that is not one (or whose entries are not records): a full walk."""
-    import json
-
     a, b = tree
     opts, state = _opts(a, b), tmp_path / "state"
     fake = FakeWatcher([a, b])
     _read(opts, state, fake)
     path = state / manifest.ROOTS_DIRS
     if damage is None:  # valid JSON, entries of the wrong shape
-        data = json.loads(path.read_text())
-        for rec in data["dirs"].values():
-            rec["files"] = [[f[0], "x", 0o644, f[3], 1, 2] for f in rec["files"]]
-            rec["subdirs"] = [1]
-        damage = json.dumps(data)
-    path.write_text(damage)
+        def wrong(dirs):
+            for rec in dirs.values():
+                rec["files"] = [[f[0], "x", 0o644, f[3], 1, 2] for f in rec["files"]]
+                rec["subdirs"] = [1]
+
+        _edit_records(state, wrong)
+    else:
+        path.write_text(damage)
     (a / "x.sls").write_text("changed, the watcher not told")
     assert _read(opts, state, fake) == _full(opts, tmp_path)
 
@@ -624,9 +631,46 @@ def test_buckets_are_cut_from_a_full_walk_when_the_last_one_is_not_known(tree, t
         if damage == "subdir-record":
             (a / "x.sls").write_text("x again")  # the parent listed too
             fake.touch(a, "x.sls")
-        records = json.loads((state / manifest.ROOTS_DIRS).read_text())
-        records["dirs"][os.path.realpath(a / "top")] = {"rel": "top"}  # not a record
-        (state / manifest.ROOTS_DIRS).write_text(json.dumps(records))
+        top = os.path.realpath(a / "top")
+        _edit_records(state, lambda dirs: dirs.update({top: {"rel": "top"}}) if top in dirs
+                      else None)  # not a record
     got, how = _cut(opts, state, fake)
     assert how["file_roots"] == "all"
     assert got == _cut(opts, tmp_path / "fresh")[0]
+
+
+def test_records_save_their_changed_buckets_and_use_only_their_own_generation(
+        tree, tmp_path, monkeypatch):
+    """
+    DirRecords: a save writes the files of the buckets whose records
+    changed; a bucket's file of another save (a crash between the two
+    writes, two saves at once) is not used, and its directories are listed.
+    """
+    from salt_multimaster import fsutil
+
+    a, b = tree
+    for i in range(40):
+        (a / f"d{i}").mkdir()
+        (a / f"d{i}" / "f.sls").write_text(str(i))
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    older = {p.name: p.read_text() for p in (state / manifest.ROOTS_DIRS_BUCKETS).iterdir()}
+    (a / "d7" / "f.sls").write_text("changed")
+    fake.touch(a / "d7", "f.sls")
+    written = []
+    real = fsutil.atomic_write
+    monkeypatch.setattr(fsutil, "atomic_write",
+                        lambda path, *a, **k: written.append(os.path.basename(path))
+                        or real(path, *a, **k))
+    _read(opts, state, fake)
+    bucket = f"{manifest.bucket_of(os.path.realpath(a / 'd7'))}.json"
+    assert bucket in written and manifest.ROOTS_DIRS in written
+    assert len([w for w in written if w.endswith(".json") and w[0].isdigit()]) == 1
+    monkeypatch.undo()
+    # that bucket's file as the save before wrote it: its records are not used
+    (state / manifest.ROOTS_DIRS_BUCKETS / bucket).write_text(older[bucket])
+    (a / "d7" / "f.sls").write_text("changed again, the journal not told")
+    listed = _count_listings(monkeypatch)
+    assert _read(opts, state, fake) == _full(opts, tmp_path)
+    assert os.path.join(str(a), "d7") in listed
