@@ -987,22 +987,23 @@ def _valid_key_entries(entries):
 class BucketFiles:
     """
     A cache of bucket parts (``{bucket: data}``), one JSON file per bucket
-    in ``directory``, next to the bucket digests its owner saves
-    (``digest``): a change reads and writes the files of its buckets only.
-    A file is read on first use and used only when ``valid(data)`` and
-    ``part(data)`` digests to its bucket's digest; one lost, torn, stale
-    or altered reads as None.  What was read stays: :meth:`save` reads the
-    files it replaces first, so they are still the answer for the digests
-    given.  ``files_read``: how many files were read.
+    in ``directory``: a change reads and writes the files of its buckets
+    only.  Its owner saves ``shas`` (``{bucket: sha256 of its file}``, which
+    :meth:`save` keeps up to date) after the files, and gives them back: a
+    file is read on first use and used only when it is the one named there
+    (and ``valid(data)``); one lost, torn, stale or altered reads as None.
+    What was read stays: :meth:`save` reads the files it replaces first, so
+    they are still the answer for the ``shas`` given.  ``files_read``: how
+    many files were read.
     """
 
-    def __init__(self, directory, digest, valid, part=None):
+    def __init__(self, directory, shas, valid):
         self.dir = directory
-        self.digest = digest if isinstance(digest, dict) else {}
+        self.shas = dict(shas) if isinstance(shas, dict) else {}
         self.files_read = 0
         self.bad = set()  # buckets whose file did not match
+        self._given = dict(self.shas)
         self._valid = valid
-        self._part = part or (lambda data: data)
         self._read = {}
 
     def _path(self, bucket):
@@ -1011,13 +1012,19 @@ class BucketFiles:
     def get(self, bucket):
         """One bucket's data (``{}``: an empty bucket), None when its file does not match."""
         if bucket not in self._read:
-            want = self.digest.get(bucket)
+            want = self._given.get(bucket)
             data = {}
             if want is not None:
                 self.files_read += 1
-                saved = _read_json(self._path(bucket))
-                data = saved.get("bucket") if isinstance(saved, dict) else None
-                if not self._valid(data) or _part_digest(self._part(data)) != want:
+                data = None
+                try:
+                    with open(self._path(bucket), "rb") as fh:
+                        text = fh.read()
+                    if hashlib.sha256(text).hexdigest() == want:
+                        data = json.loads(text).get("bucket")
+                except (OSError, ValueError, AttributeError):
+                    pass
+                if not self._valid(data):
                     data = None
                     self.bad.add(bucket)
             self._read[bucket] = data
@@ -1026,7 +1033,7 @@ class BucketFiles:
     def every(self):
         """``{bucket: data}`` of every bucket; None when one does not match."""
         ret = {}
-        for bucket in self.digest:
+        for bucket in self._given:
             ret[bucket] = self.get(bucket)
             if ret[bucket] is None:
                 return None
@@ -1039,16 +1046,17 @@ class BucketFiles:
             self.get(bucket)
             data = {outer: inner for outer, inner in data.items() if inner}
             if data:
-                fsutil.atomic_write(self._path(bucket), json.dumps({"bucket": data}),
-                                    mode=0o600, durable=False)
+                text = json.dumps({"bucket": data}).encode("utf-8")
+                fsutil.atomic_write(self._path(bucket), text, mode=0o600, durable=False)
+                self.shas[bucket] = hashlib.sha256(text).hexdigest()
             else:
                 fsutil.remove(self._path(bucket))
+                self.shas.pop(bucket, None)
 
 
-def key_buckets(state_dir, digest):
+def key_buckets(state_dir, shas):
     """The :class:`BucketFiles` of a key snapshot: ``{state: {id: [ino, size, mtime_ns, sha256]}}`` each."""
-    return BucketFiles(os.path.join(state_dir, KEYS_SNAPSHOT_BUCKETS), digest,
-                       _valid_key_entries, _key_part)
+    return BucketFiles(os.path.join(state_dir, KEYS_SNAPSHOT_BUCKETS), shas, _valid_key_entries)
 
 
 class _LazyParts(Mapping):
@@ -1088,7 +1096,7 @@ def saved_key_parts(state_dir, buckets):
     meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
     if not isinstance(meta, dict) or not isinstance(meta.get("digest"), dict):
         return None
-    store = key_buckets(state_dir, meta["digest"])
+    store = key_buckets(state_dir, meta.get("buckets"))
     ret = {}
     for bucket in buckets:
         entries = store.get(bucket)
@@ -1143,7 +1151,7 @@ class KeysSnapshot:
                      and all(isinstance(meta.get(k), dict)
                              for k in ("errors", "digest", "counts", "damaged"))
                      else {})
-        self._store = key_buckets(state_dir, self.meta.get("digest"))
+        self._store = key_buckets(state_dir, self.meta.get("buckets"))
         # rescan: every dir listed and every key statted; still only new or
         # changed keys are read
         unchanged, names, self._token = None, {}, None
@@ -1377,9 +1385,10 @@ class KeysSnapshot:
 
     def _save(self, changed, meta):
         # a cache of the key dirs: checked against their stamps, each
-        # bucket's file against its digest (BucketFiles), listed again when
-        # one does not match
+        # bucket's file against the sha256 the meta names (BucketFiles),
+        # listed again when one does not match
         self._store.save(changed)
+        meta["buckets"] = dict(self._store.shas)
         fsutil.atomic_write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
         fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
@@ -1432,7 +1441,7 @@ class KeysSnapshot:
 
 
 _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
-                "damaged", "files", "watch")
+                "damaged", "files", "watch", "buckets")
 
 
 def _update_key_dir(pki_dir, state, known, names, get_cache, errors):
@@ -1536,7 +1545,7 @@ class RootsParts:
                 and isinstance(data.get("digest"), dict) and isinstance(data.get("safe"), dict))
         self.data = data if good else {}
         self._files = BucketFiles(os.path.join(state_dir, f"roots-{cat}.d"),
-                                  self.data.get("digest"), _valid_roots_part)
+                                  self.data.get("buckets"), _valid_roots_part)
         self.parts = self.raw = self.safe = None
         self.cut = None  # how update() cut: "buckets" or "all"
         self._roots = None
@@ -1629,4 +1638,4 @@ class RootsParts:
         self._files.save(changed)
         fsutil.atomic_write(self.path, json.dumps({
             "format": self.FORMAT, "gen": gen, "roots": self._roots, "digest": self.raw,
-            "safe": self.safe}), mode=0o600, durable=False)
+            "safe": self.safe, "buckets": self._files.shas}), mode=0o600, durable=False)

@@ -117,10 +117,12 @@ def _snapshot_of(tmp_path, man):
     state.mkdir(parents=True)
     parts = manifest.split("minion_keys", man)
     digest = manifest.bucket_digests(parts)
-    manifest.key_buckets(str(state), digest).save({
+    files = manifest.key_buckets(str(state), {})
+    files.save({
         b: {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in part.items()}
         for b, part in parts.items()})
-    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps({"digest": digest}))
+    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps({"digest": digest,
+                                                            "buckets": files.shas}))
     return opts
 
 
