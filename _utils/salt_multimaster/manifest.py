@@ -1149,7 +1149,9 @@ class KeysSnapshot:
         meta = _read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
                      and all(isinstance(meta.get(k), dict)
-                             for k in ("errors", "digest", "counts", "damaged"))
+                             for k in ("errors", "digest", "counts", "damaged", "buckets"))
+                     # a file named for each bucket of the digests, and no other
+                     and set(meta["buckets"]) == set(meta["digest"])
                      else {})
         self._store = key_buckets(state_dir, self.meta.get("buckets"))
         # rescan: every dir listed and every key statted; still only new or
@@ -1388,7 +1390,7 @@ class KeysSnapshot:
         # bucket's file against the sha256 the meta names (BucketFiles),
         # listed again when one does not match
         self._store.save(changed)
-        meta["buckets"] = dict(self._store.shas)
+        meta["buckets"] = {b: sha for b, sha in self._store.shas.items() if b in meta["digest"]}
         fsutil.atomic_write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
         fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
@@ -1434,7 +1436,7 @@ class KeysSnapshot:
 
     def remember(self, **fields):
         """Save more fields with the snapshot (when it was saved at all)."""
-        if self.meta.get("dirs") is None:
+        if self.meta.get("dirs") is None or "buckets" not in self.meta:
             return
         self.meta.update(fields)
         fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
@@ -1542,7 +1544,9 @@ class RootsParts:
         self.path = os.path.join(state_dir, f"roots-{cat}.json")
         data = _read_json(self.path)
         good = (isinstance(data, dict) and data.get("format") == self.FORMAT
-                and isinstance(data.get("digest"), dict) and isinstance(data.get("safe"), dict))
+                and all(isinstance(data.get(k), dict) for k in ("digest", "safe", "buckets"))
+                # a file named for each bucket of the digests, and no other
+                and set(data["digest"]) == set(data["safe"]) == set(data["buckets"]))
         self.data = data if good else {}
         self._files = BucketFiles(os.path.join(state_dir, f"roots-{cat}.d"),
                                   self.data.get("buckets"), _valid_roots_part)
@@ -1638,4 +1642,6 @@ class RootsParts:
         self._files.save(changed)
         fsutil.atomic_write(self.path, json.dumps({
             "format": self.FORMAT, "gen": gen, "roots": self._roots, "digest": self.raw,
-            "safe": self.safe, "buckets": self._files.shas}), mode=0o600, durable=False)
+            "safe": self.safe,
+            "buckets": {b: sha for b, sha in self._files.shas.items() if b in self.raw}}),
+            mode=0o600, durable=False)

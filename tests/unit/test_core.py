@@ -346,6 +346,38 @@ def test_keys_snapshot_with_a_damaged_bucket_lists_again(tmp_path):
     assert not damaged.reused and damaged.manifest == first.manifest
 
 
+def test_keys_snapshot_names_exactly_its_buckets_files_after_a_lost_dir(tmp_path):
+    """
+    The bucket files lost while a key whose bucket it emptied is deleted:
+    the next snapshot names a file for each bucket of its digests and no
+    other, so the one after keeps its previous state (a change sync in
+    one round trip) instead of listing everything again and again.
+    """
+    import shutil
+
+    pki, state = tmp_path / "pki", tmp_path / "state"
+    (pki / "minions").mkdir(parents=True)
+    pub = gen_keypair(1024)[1]
+    for i in range(10):
+        (pki / "minions" / f"m{i}").write_bytes(pub)
+    _age(pki)
+    manifest.KeysSnapshot(str(pki), str(state))
+    shutil.rmtree(state / manifest.KEYS_SNAPSHOT_BUCKETS)
+    (pki / "minions" / "m3").unlink()
+    _age(pki)
+    first = manifest.KeysSnapshot(str(pki), str(state))
+    meta = json.loads((state / manifest.KEYS_SNAPSHOT).read_text())
+    assert set(meta["buckets"]) == set(meta["digest"]) == set(first.digest)
+    (pki / "minions" / "m4").unlink()
+    _age(pki)
+    again = manifest.KeysSnapshot(str(pki), str(state))
+    assert again.previous_parts() is not None and again.previous_parts()[0] == first.digest
+    # a snapshot naming a file for a bucket it has no digest of is not used
+    meta["buckets"]["x"] = "0" * 64
+    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps(meta))
+    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
+
+
 def test_keys_state_is_the_listing_of_chosen_ids(tmp_path):
     pki = tmp_path / "pki"
     for state in ("minions", "minions_pre", "minions_denied"):
