@@ -201,11 +201,6 @@ def safe_tree(man):
             for env, files in man.items()}
 
 
-def safe_parts(parts):
-    """:func:`safe_tree` of each bucket part (``{bucket: part}``)."""
-    return {bucket: safe_tree(part) for bucket, part in parts.items()}
-
-
 def _damaged_in(rel, names):
     """Whether ``rel`` is, or lies under, one of the damaged ``names`` of a saltenv."""
     for name in names or ():

@@ -96,13 +96,16 @@ def test_plan_tree_writes_safe_modes_and_warns_once():
     assert report["updated"] == ["base:suid.sh", "base:ww.sls"] and len(report["warnings"]) == 2
 
 
-def test_primary_digests_of_safe_modes_match_a_peer_in_step():
+def test_primary_digests_of_safe_modes_match_a_peer_in_step(tmp_path):
     primary = {"base": {f"f{i}": [1, 0o644, A] for i in range(50)}}
     primary["base"]["suid.sh"] = [1, 0o4755, A]
     peer = {"base": dict(primary["base"], **{"suid.sh": [1, 0o755, A]})}
-    pparts = manifest.split("file_roots", primary)
-    digests = manifest.bucket_digests(replicate.safe_parts(pparts))
-    assert manifest.differing(digests, manifest.bucket_digests(manifest.split("file_roots", peer))) == []
+    # the primary's read: its digests as a peer in step holds them
+    read = manifest.RootsParts(str(tmp_path), "file_roots")
+    read.update({"base": [str(tmp_path)]}, primary, None, None)
+    theirs = manifest.bucket_digests(manifest.split("file_roots", peer))
+    assert manifest.differing(read.safe, theirs) == []
+    assert manifest.differing(read.raw, theirs) == [manifest.bucket_of("base/suid.sh")]
     assert replicate.safe_tree(peer) is peer  # nothing to change: the same object
     assert replicate.safe_tree(primary) == peer
     assert primary["base"]["suid.sh"] == [1, 0o4755, A]  # the input is left alone
