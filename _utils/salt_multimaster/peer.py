@@ -56,6 +56,9 @@ LOCK_WAIT = 60.0
 # The key history record of an apply starts this long after the apply
 # returned, in the job's process, so that the job's return goes out first.
 RECORD_DELAY = 0.05
+# Files of one directory an apply checks one stat each before it lists the
+# directory once instead (:meth:`Applier._listed`).
+STATS_BEFORE_LISTING = 32
 
 
 def locked(state_dir, wait=LOCK_WAIT):
@@ -300,6 +303,7 @@ class Applier:
         self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
         self.dirs = set()
         self.listings = {}
+        self.stats = {}
 
     def safe_join(self, root, rel):
         return fsutil.safe_join(root, rel, realpath=self.realpath)
@@ -311,13 +315,18 @@ class Applier:
 
     def _listed(self, path):
         """
-        Whether ``path`` exists, from one listing of its directory per sync:
-        an initial sync writes 20,000 keys into one directory, and a stat
-        of each costs more than the listing.
+        Whether ``path`` exists: a stat for the first :data:`STATS_BEFORE_LISTING`
+        files of a directory, then one listing of it for the rest of the
+        sync.  An initial sync writes 20,000 keys into one directory, where
+        a stat of each costs more than the listing; a change sync writes one
+        or two, where the listing of 20,000 names costs more than the stats.
         """
         directory, name = os.path.split(path)
         names = self.listings.get(directory)
         if names is None:
+            stats = self.stats[directory] = self.stats.get(directory, 0) + 1
+            if stats <= STATS_BEFORE_LISTING:
+                return os.path.lexists(path)
             try:
                 names = self.listings[directory] = frozenset(os.listdir(directory))
             except OSError:
