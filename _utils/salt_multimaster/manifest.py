@@ -499,12 +499,12 @@ class DirRecords:
         self.path = os.path.join(state_dir, ROOTS_DIRS)
         self.dir = os.path.join(state_dir, ROOTS_DIRS_BUCKETS)
         self.ignore_key = [[r.pattern for r in ignore.regex], list(ignore.glob)]
-        data = _read_json(self.path)
+        data = read_json(self.path)
         good = (isinstance(data, dict) and data.get("ignore") == self.ignore_key
                 and isinstance(data.get("buckets"), dict) and isinstance(data.get("token"), dict))
         self._old, self._saved = {}, {}  # the records; {bucket: (generation, its records)}
         for bucket, gen in (data["buckets"] if good else {}).items():
-            saved = _read_json(os.path.join(self.dir, f"{bucket}.json"))
+            saved = read_json(os.path.join(self.dir, f"{bucket}.json"))
             if (isinstance(saved, dict) and saved.get("gen") == gen
                     and isinstance(saved.get("dirs"), dict)):
                 self._saved[bucket] = (gen, saved["dirs"])
@@ -963,7 +963,8 @@ def _dir_stamp(path):
     return [st.st_dev, st.st_ino, st.st_mtime_ns]
 
 
-def _read_json(path):
+def read_json(path):
+    """What the JSON file ``path`` holds; None when it cannot be read or is not JSON."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
@@ -994,11 +995,13 @@ class BucketFiles:
     (and ``valid(data)``); one lost, torn, stale or altered reads as None.
     What was read stays: :meth:`save` reads the files it replaces first, so
     they are still the answer for the ``shas`` given.  ``files_read``: how
-    many files were read.
+    many files were read.  ``durable``: not a cache (the files flushed to
+    disk, as :func:`fsutil.atomic_write` does by default).
     """
 
-    def __init__(self, directory, shas, valid):
+    def __init__(self, directory, shas, valid, durable=False):
         self.dir = directory
+        self.durable = durable  # each file flushed before and after its rename
         self.shas = dict(shas) if isinstance(shas, dict) else {}
         self.files_read = 0
         self.bad = set()  # buckets whose file did not match
@@ -1047,7 +1050,7 @@ class BucketFiles:
             data = {outer: inner for outer, inner in data.items() if inner}
             if data:
                 text = json.dumps({"bucket": data}).encode("utf-8")
-                fsutil.atomic_write(self._path(bucket), text, mode=0o600, durable=False)
+                fsutil.atomic_write(self._path(bucket), text, mode=0o600, durable=self.durable)
                 self.shas[bucket] = hashlib.sha256(text).hexdigest()
             else:
                 fsutil.remove(self._path(bucket))
@@ -1093,7 +1096,7 @@ def saved_key_parts(state_dir, buckets):
     saved in ``state_dir`` (:class:`KeysSnapshot`), an empty bucket left
     out; None when there is none or a bucket's file does not match it.
     """
-    meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
+    meta = read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
     if not isinstance(meta, dict) or not isinstance(meta.get("digest"), dict):
         return None
     store = key_buckets(state_dir, meta.get("buckets"))
@@ -1146,7 +1149,7 @@ class KeysSnapshot:
         self._parts = None
         self._previous = None
         self._later = later
-        meta = _read_json(self.meta_path)
+        meta = read_json(self.meta_path)
         self.meta = (meta if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir
                      and all(isinstance(meta.get(k), dict)
                              for k in ("errors", "digest", "counts", "damaged", "buckets"))
@@ -1240,7 +1243,7 @@ class KeysSnapshot:
     @staticmethod
     def saved_digest(pki_dir, state_dir):
         """The digests of the last snapshot of ``pki_dir``, without looking at a key (None: none)."""
-        meta = _read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
+        meta = read_json(os.path.join(state_dir, KEYS_SNAPSHOT))
         if isinstance(meta, dict) and meta.get("pki_dir") == pki_dir:
             return meta.get("digest")
         return None
@@ -1542,7 +1545,7 @@ class RootsParts:
     def __init__(self, state_dir, cat):
         self.cat = cat
         self.path = os.path.join(state_dir, f"roots-{cat}.json")
-        data = _read_json(self.path)
+        data = read_json(self.path)
         good = (isinstance(data, dict) and data.get("format") == self.FORMAT
                 and all(isinstance(data.get(k), dict) for k in ("digest", "safe", "buckets"))
                 # a file named for each bucket of the digests, and no other

@@ -33,7 +33,11 @@ log = logging.getLogger(__name__)
 RECORD_HASHES_MIN_FILES = manifest.DIRECT_FILES
 RECORD_HASHES_MIN_BYTES = manifest.DIRECT_BYTES
 
+#: the key history (:class:`KeyHistory`): the names of its bucket files, and those files
 HISTORY_NAME = "minion_keys_history.json"
+HISTORY_BUCKETS = "minion_keys_history.d"
+HISTORY_FORMAT = 2
+
 # Errors a peer sends back per category, at most (Salt trims larger returns).
 MAX_REPORTED = 100
 # Chunk requests in flight while the current chunk is written (the keys and the
@@ -106,14 +110,81 @@ def history_path(state_dir):
     return os.path.join(state_dir, HISTORY_NAME)
 
 
+def _valid_ids(data):
+    return isinstance(data, dict) and set(data) <= {"ids"} and isinstance(
+        data.get("ids", []), list) and all(isinstance(mid, str) for mid in data.get("ids", []))
+
+
+class KeyHistory:
+    """
+    The ids this peer received from the primary, one file per bucket of
+    the ids (:class:`manifest.BucketFiles` in :data:`HISTORY_BUCKETS`),
+    named with their sha256 in :data:`HISTORY_NAME`, written after them:
+    an apply that writes one key reads and writes one bucket, not the ids
+    of every key.  A bucket file lost or damaged reads as no id received
+    (its removals on the primary then read as conflicts here, never as
+    deletions) until the history record finds its keys equal again.  The
+    single list an earlier release saved is read whole, and written in
+    buckets by the first save.
+    """
+
+    def __init__(self, state_dir):
+        meta = manifest.read_json(history_path(state_dir))
+        self.state_dir = state_dir
+        self.legacy = None
+        shas = {}
+        if isinstance(meta, list):
+            self.legacy = {}
+            for mid in meta:
+                if isinstance(mid, str):
+                    self.legacy.setdefault(manifest.bucket_of(mid), set()).add(mid)
+        elif isinstance(meta, dict) and meta.get("format") == HISTORY_FORMAT:
+            shas = meta.get("buckets")
+        # not a cache: flushed, as the single list was
+        self.files = manifest.BucketFiles(os.path.join(state_dir, HISTORY_BUCKETS), shas,
+                                          _valid_ids, durable=True)
+        self.changed = {}
+
+    def buckets(self):
+        """The buckets that hold an id."""
+        if self.legacy is not None:
+            return set(self.legacy) | {b for b, ids in self.changed.items() if ids}
+        return {b for b in set(self.files.shas) | set(self.changed) if self.ids(b)}
+
+    def ids(self, bucket):
+        """The ids of ``bucket`` received (a set)."""
+        if bucket in self.changed:
+            return set(self.changed[bucket])
+        if self.legacy is not None:
+            return set(self.legacy.get(bucket, ()))
+        return set((self.files.get(bucket) or {}).get("ids", ()))
+
+    def all(self):
+        """Every id received (a set)."""
+        return {mid for bucket in self.buckets() for mid in self.ids(bucket)}
+
+    def set_ids(self, bucket, ids):
+        """Make ``ids`` the ids of ``bucket`` received (saved by :meth:`save`)."""
+        if set(ids) != self.ids(bucket):
+            self.changed[bucket] = set(ids)
+
+    def save(self):
+        """Write the changed buckets (every bucket after a single-list history), then their names."""
+        if not self.changed and self.legacy is None:
+            return
+        todo = dict(self.changed)
+        if self.legacy is not None:
+            todo = {**self.legacy, **todo}
+        self.files.save({b: {"ids": sorted(ids)} for b, ids in todo.items()})
+        fsutil.atomic_write(history_path(self.state_dir),
+                            json.dumps({"format": HISTORY_FORMAT, "buckets": self.files.shas}),
+                            mode=0o600)
+        self.legacy, self.changed = None, {}
+
+
 def read_history(state_dir):
     """The ids this peer received from the primary (a list)."""
-    try:
-        with open(history_path(state_dir), encoding="utf-8") as fh:
-            ids = json.load(fh)
-    except (OSError, ValueError):
-        return []
-    return ids if isinstance(ids, list) else []
+    return sorted(KeyHistory(state_dir).all())
 
 
 def _history_stamp(state_dir):
@@ -124,22 +195,23 @@ def _history_stamp(state_dir):
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def _write_history(state_dir, ids):
-    fsutil.atomic_write(history_path(state_dir), json.dumps(sorted(ids)), mode=0o600)
-
-
 def update_history(state_dir, ops, report):
     """
     Remember the ids received from the primary (``report``: what an apply
     of the ``minion_keys`` ``ops`` did), so that a later removal there reads
-    as a deletion, and a key found only here as a conflict.
+    as a deletion, and a key found only here as a conflict.  Reads and
+    writes the buckets of those ids only.
     """
     written = {op["id"] for op in ops if op["op"] == replicate.WRITE}
     recorded = _recorded(state_dir)
-    history = set(read_history(state_dir))
-    history |= {r.split("/", 1)[1] for r in report["updated"]}
-    history -= {r.split("/", 1)[1] for r in report["removed"]} - written
-    _write_history(state_dir, history)
+    added = {r.split("/", 1)[1] for r in report["updated"]}
+    dropped = {r.split("/", 1)[1] for r in report["removed"]} - written
+    history = KeyHistory(state_dir)
+    for bucket in {manifest.bucket_of(mid) for mid in added | dropped}:
+        ids = history.ids(bucket)
+        history.set_ids(bucket, (ids | {m for m in added if manifest.bucket_of(m) == bucket})
+                        - dropped)
+    history.save()
     # the buckets of the ids this apply touched are recorded no more
     touched = {manifest.bucket_of(op["id"]) for op in ops}
     _save_recorded(state_dir, {b: d for b, d in recorded.items() if b not in touched})
@@ -191,11 +263,14 @@ def record_history(mopts, state_dir, primary_digest):
     recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
     todo = [b for b in same if b not in recorded]
     if todo:
-        held = manifest.merge(snap.parts, todo)
-        ids = {mid for keys in held.values() for mid in keys}
-        history = set(read_history(state_dir))
-        if not ids <= history:
-            _write_history(state_dir, history | ids)
+        held = {}
+        for keys in manifest.merge(snap.parts, todo).values():
+            for mid in keys:
+                held.setdefault(manifest.bucket_of(mid), set()).add(mid)
+        history = KeyHistory(state_dir)
+        for bucket, ids in held.items():
+            history.set_ids(bucket, history.ids(bucket) | ids)
+        history.save()
         recorded.update({b: snap.digest[b] for b in todo})
         _save_recorded(state_dir, recorded)
     snap.remember(history=_history_stamp(state_dir))
@@ -254,9 +329,16 @@ def keys_inventory(mopts, state_dir, digests, rescan=False):
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
             "manifest": manifest.merge(snap.parts, diff) if diff else {},
             "counts": snap.counts,
-            "history": ([mid for mid in read_history(state_dir)
-                         if manifest.bucket_of(mid) in wanted] if wanted else []),
+            "history": _history_of(state_dir, wanted),
             "history_recorded": snap.meta.get("history") == _history_stamp(state_dir)}
+
+
+def _history_of(state_dir, buckets):
+    """The ids of ``buckets`` received from the primary (a sorted list): their files only."""
+    if not buckets:
+        return []
+    history = KeyHistory(state_dir)
+    return sorted(mid for bucket in buckets for mid in history.ids(bucket))
 
 
 def targeted_inventory(mopts, state_dir, ids):
@@ -266,7 +348,7 @@ def targeted_inventory(mopts, state_dir, ids):
     """
     errors = []
     here = manifest.keys_state(mopts["pki_dir"], list(ids), errors=errors)
-    history = set(read_history(state_dir))
+    history = set(_history_of(state_dir, {manifest.bucket_of(mid) for mid in ids}))
     return {"master_id": mopts["id"], "errors": [],
             "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
                             "history": sorted(history & set(ids))}}

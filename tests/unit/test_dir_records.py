@@ -458,7 +458,7 @@ def test_a_listing_without_the_journal_keeps_its_token(pki, tmp_path):
     (pki / "minions" / "m2").unlink()
     fake.touch(pki / "minions", "m2")
     _keys(pki, state)  # no journal: listed by the stamps
-    saved = manifest._read_json(str(state / manifest.KEYS_SNAPSHOT))  # pylint: disable=protected-access
+    saved = manifest.read_json(str(state / manifest.KEYS_SNAPSHOT))  # pylint: disable=protected-access
     assert saved["watch"] == {"session": "s1", "seq": 0}
     (pki / "minions" / "m4").unlink()
     fake.touch(pki / "minions", "m4")
