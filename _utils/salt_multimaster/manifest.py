@@ -32,6 +32,7 @@ KEYS_HASHCACHE = "hashcache-keys.json"
 # the directories of the last roots walk, with the watcher's token (DirRecords)
 ROOTS_DIRS = "roots-dirs.json"
 ROOTS_DIRS_BUCKETS = "roots-dirs.d"
+ROOTS_DIRS_FORMAT = 2
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 # its keys, one file per bucket (key_buckets)
@@ -478,6 +479,15 @@ class Touched:
         self.rels.update(prefix + name for name, _value, _real, _error in files)
 
 
+def _valid_dir_records(dirs):
+    """A bucket of :class:`DirRecords`: ``{real dir: record}``, each record clean or not."""
+    return isinstance(dirs, dict) and all(
+        isinstance(rec, dict) and isinstance(rec.get("rel"), str)
+        and isinstance(rec.get("subdirs"), list)
+        and isinstance(rec.get("names" if rec.get("unclean") else "files"), list)
+        for rec in dirs.values())
+
+
 class DirRecords:
     """
     The directories of the last roots walk, saved in ``state_dir``
@@ -489,26 +499,26 @@ class DirRecords:
     lists every directory, as it always did.
 
     The records are kept one file per bucket of their directory's path
-    (:data:`ROOTS_DIRS_BUCKETS`), each with the generation of the save that
-    wrote it, which :data:`ROOTS_DIRS` names: a save writes the buckets
-    whose records changed, then that file, and a bucket's file of another
-    generation (a crash, two saves at once) is not used.
+    (:data:`ROOTS_DIRS_BUCKETS`, a :class:`BucketFiles`), each named by its
+    sha256 in :data:`ROOTS_DIRS`, written after them: a save writes the
+    buckets whose records changed, then that file, and a bucket's file that
+    is not the one named (lost, torn, another save's) is not used, so its
+    directories are listed again.  A record is used as it was written: the
+    sha256 vouches for every entry of its file.
     """
 
     def __init__(self, state_dir, ignore):
         self.path = os.path.join(state_dir, ROOTS_DIRS)
-        self.dir = os.path.join(state_dir, ROOTS_DIRS_BUCKETS)
         self.ignore_key = [[r.pattern for r in ignore.regex], list(ignore.glob)]
         data = read_json(self.path)
-        good = (isinstance(data, dict) and data.get("ignore") == self.ignore_key
+        good = (isinstance(data, dict) and data.get("format") == ROOTS_DIRS_FORMAT
+                and data.get("ignore") == self.ignore_key
                 and isinstance(data.get("buckets"), dict) and isinstance(data.get("token"), dict))
-        self._old, self._saved = {}, {}  # the records; {bucket: (generation, its records)}
-        for bucket, gen in (data["buckets"] if good else {}).items():
-            saved = read_json(os.path.join(self.dir, f"{bucket}.json"))
-            if (isinstance(saved, dict) and saved.get("gen") == gen
-                    and isinstance(saved.get("dirs"), dict)):
-                self._saved[bucket] = (gen, saved["dirs"])
-                self._old.update(saved["dirs"])
+        self.files = BucketFiles(os.path.join(state_dir, ROOTS_DIRS_BUCKETS),
+                                 data["buckets"] if good else {}, _valid_dir_records)
+        self._old = {}  # the records
+        for bucket in list(self.files.shas):
+            self._old.update(self.files.get(bucket) or {})
         #: the watcher's token the saved records were read at (None: none)
         self.token = data["token"] if good else None
         #: the saved records' generation, and this walk's (RootsParts)
@@ -566,16 +576,9 @@ class DirRecords:
         return real_dir not in self._dirty and (real_dir + os.sep).startswith(self._trees)
 
     def old(self, real_dir):
-        """The saved record of ``real_dir`` (None: none, or not a record: listed again)."""
+        """The saved clean record of ``real_dir`` (None: none, or of a directory listed unclean)."""
         rec = self._old.get(real_dir)
-        if not (isinstance(rec, dict) and isinstance(rec.get("files"), list)
-                and isinstance(rec.get("subdirs"), list)
-                and all(isinstance(f, list) and len(f) == 6 and isinstance(f[0], str)
-                        and isinstance(f[3], str) and type(f[1]) is type(f[2]) is type(f[4])
-                        is type(f[5]) is int for f in rec["files"])
-                and all(isinstance(n, str) for n in rec["subdirs"])):
-            return None
-        return rec
+        return None if rec is None or rec.get("unclean") else rec
 
     def reuse(self, real_dir, rel_dir, dirpath):
         """
@@ -613,44 +616,27 @@ class DirRecords:
     def listing(self, real_dir):
         """
         ``(rel, file names, subdirectory names, clean)`` of ``real_dir`` at
-        the last walk, clean or not; None when it was not walked (or the
-        record is not one).
+        the last walk, clean or not; None when it was not walked.
         """
         rec = self._old.get(real_dir)
-        if not isinstance(rec, dict) or not isinstance(rec.get("rel"), str):
+        if rec is None:
             return None
         clean = not rec.get("unclean")
-        if not clean:
-            names = rec.get("names")
-        else:
-            rec = self.old(real_dir)
-            names = [f[0] for f in rec["files"]] if rec is not None else None
-        if not isinstance(names, list) or not isinstance(rec.get("subdirs"), list) or not all(
-                isinstance(n, str) for n in names + rec["subdirs"]):
-            return None
+        names = [f[0] for f in rec["files"]] if clean else rec["names"]
         return rec["rel"], names, rec["subdirs"], clean
 
     def save(self, token):
         """Save the records of this walk, read at the watcher's ``token``."""
-        fsutil.makedirs(self.dir, mode=0o700)
-        cut = {}
+        cut = {bucket: {} for bucket in self.files.shas}
         for real_dir, rec in self.new.items():
             cut.setdefault(bucket_of(real_dir), {})[real_dir] = rec
-        files = {}
-        for bucket in set(cut) | set(self._saved):
-            dirs = cut.get(bucket)
-            gen, saved = self._saved.get(bucket, (None, None))
-            if dirs is not None and dirs == saved:
-                files[bucket] = gen
-            elif dirs:
-                fsutil.atomic_write(os.path.join(self.dir, f"{bucket}.json"),
-                                    json.dumps({"gen": self.next_gen, "dirs": dirs}),
-                                    mode=0o600, durable=False)
-                files[bucket] = self.next_gen
-            else:
-                fsutil.remove(os.path.join(self.dir, f"{bucket}.json"))
-        fsutil.atomic_write(self.path, json.dumps({"token": token, "ignore": self.ignore_key,
-                                                   "gen": self.next_gen, "buckets": files}),
+        # a bucket whose file did not match (None) is written again
+        self.files.save({bucket: dirs for bucket, dirs in cut.items()
+                         if dirs != self.files.get(bucket)})
+        fsutil.atomic_write(self.path, json.dumps({"format": ROOTS_DIRS_FORMAT, "token": token,
+                                                   "ignore": self.ignore_key,
+                                                   "gen": self.next_gen,
+                                                   "buckets": self.files.shas}),
                             mode=0o600, durable=False)
 
 

@@ -502,7 +502,7 @@ def _edit_records(state, edit):
     """Apply ``edit`` to the records (``{real dir: record}``) of each saved bucket of DirRecords."""
     for path in (state / manifest.ROOTS_DIRS_BUCKETS).iterdir():
         saved = json.loads(path.read_text())
-        edit(saved["dirs"])
+        edit(saved["bucket"])
         path.write_text(json.dumps(saved))
 
 
@@ -674,3 +674,27 @@ def test_records_save_their_changed_buckets_and_use_only_their_own_generation(
     listed = _count_listings(monkeypatch)
     assert _read(opts, state, fake) == _full(opts, tmp_path)
     assert os.path.join(str(a), "d7") in listed
+
+
+def test_records_of_an_earlier_format_are_not_used(tree, tmp_path, monkeypatch):
+    """
+    The records of the release before (bucket files named by a generation,
+    not by their sha256) are not used: every directory is listed once, then
+    recorded in this format and vouched for again.
+    """
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    meta = json.loads((state / manifest.ROOTS_DIRS).read_text())
+    assert meta["format"] == manifest.ROOTS_DIRS_FORMAT
+    del meta["format"]
+    (state / manifest.ROOTS_DIRS).write_text(json.dumps(meta))
+    (a / "x.sls").write_text("changed, the watcher not told")
+    full = _full(opts, tmp_path)
+    listed = _count_listings(monkeypatch)
+    assert _read(opts, state, fake) == full
+    assert str(a) in listed and os.path.join(str(a), "top", "mid") in listed
+    listed.clear()
+    assert _read(opts, state, fake) == full
+    assert listed == []
