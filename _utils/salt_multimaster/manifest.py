@@ -401,10 +401,22 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, to
             if real_dir in ancestors:
                 continue  # a symlink loop inside the root
             ancestors = ancestors | {real_dir}
-            found = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
-                     else None)
+            reused = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
+                      else None)
+            rel_prefix = f"{rel_dir}/" if rel_dir else ""
             last = None  # what the last walk found in a directory listed now
-            if found is None:
+            if reused is not None:
+                # as recorded: [name, size, mode, sha256, inode, mtime_ns] each
+                recorded, subdirs = reused
+                prefix = real_dir + os.sep
+                for entry in recorded:
+                    rel = rel_prefix + entry[0]
+                    if rel in ret:
+                        continue
+                    if seen is not None:
+                        seen.append(prefix + entry[0])
+                    ret[rel] = entry[1:4]
+            else:
                 old = records.old(real_dir) if records is not None else None
                 try:
                     found = _dir_entries(
@@ -422,18 +434,17 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, to
                     records.record(real_dir, rel_dir, *found)
                 if touched is not None:
                     touched.listed(rel_dir, last, new, found, records.changed_names(real_dir))
-            files, subdirs, _clean = found
-            rel_prefix = f"{rel_dir}/" if rel_dir else ""
-            for name, value, real, error in files:
-                rel = rel_prefix + name
-                if rel in ret:
-                    continue
-                if error is not None:
-                    errors.append(error)
-                    continue
-                if seen is not None:
-                    seen.append(real)
-                ret[rel] = value[:3]
+                files, subdirs, _clean = found
+                for name, value, real, error in files:
+                    rel = rel_prefix + name
+                    if rel in ret:
+                        continue
+                    if error is not None:
+                        errors.append(error)
+                        continue
+                    if seen is not None:
+                        seen.append(real)
+                    ret[rel] = value[:3]
             known = set(last[2]) if last is not None else ()
             stack.extend((rel_prefix + name, full, ancestors, real,
                           new or (last is not None and name not in known))
@@ -582,9 +593,11 @@ class DirRecords:
 
     def reuse(self, real_dir, rel_dir, dirpath):
         """
-        :func:`_dir_entries`' result for ``real_dir`` as recorded, when the
-        watcher vouches it did not change and it was recorded at the same
-        place in its root; else None (list it).
+        ``(files, subdirs)`` of ``real_dir`` as recorded, when the watcher
+        vouches it did not change and it was recorded at the same place in
+        its root; else None (list it).  ``files``: the record's entries,
+        ``[name, size, mode, sha256, inode, mtime_ns]`` each; ``subdirs``:
+        ``(name, path, real path)`` each, as :func:`_dir_entries` gives them.
         """
         if not self._vouched(real_dir):
             return None
@@ -592,12 +605,11 @@ class DirRecords:
         if rec is None or rec.get("rel") != rel_dir:
             return None
         prefix = real_dir + os.sep
-        files = [(f[0], f[1:], prefix + f[0], None) for f in rec["files"]]
         subdirs = [(name, os.path.join(dirpath, name), prefix + name)
                    for name in rec["subdirs"]]
         self.new[real_dir] = rec
         self.reused += 1
-        return files, subdirs, True
+        return rec["files"], subdirs
 
     def record(self, real_dir, rel_dir, files, subdirs, clean):
         """
