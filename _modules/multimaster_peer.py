@@ -217,8 +217,7 @@ def _restart_master(cmd=None):
     """
     # the running master keeps the old keys/config until it restarts: the
     # next inventory says so (restart_pending) until then
-    fsutil.atomic_write(os.path.join(_state_dir(), daemon.RESTART_MARKER),
-                        f"{time.time()}\n", mode=0o600)
+    daemon.mark_restart(_master_opts(), os.path.join(_state_dir(), daemon.RESTART_MARKER))
     available = None
     if not cmd:
         cmd = restart.default_cmd("salt-master")

@@ -1009,7 +1009,7 @@ def _rot_salt():
         status=lambda peers, topology: status(peers=",".join(peers), topology=topology,
                                               replicate="master_keys"),
         restart_primary=lambda cmd: rotation.restart_primary(
-            state_dir, cmd, not cmd and salt.utils.systemd.booted({})),
+            __opts__, cmd, not cmd and salt.utils.systemd.booted({})),
         primary_serving=lambda: rotation.serving(
             __opts__, os.path.join(state_dir, daemon.RESTART_MARKER)),
         reconnect_events=_rot_reconnect_events)

@@ -184,15 +184,15 @@ def as_list(value):
     return [str(value)]
 
 
-def restart_primary(state_dir, restart_cmd, systemd_booted):
+def restart_primary(mopts, restart_cmd, systemd_booted):
     """
-    Restart the master this runs on, in the background: ``restart_cmd``, else
-    ``systemctl restart salt-master`` where systemd runs; the write time goes
-    to the restart marker first.  Returns ``"restarting"`` or
-    ``"restart_required"`` (nothing could restart it).
+    Restart the master this runs on (options ``mopts``), in the background:
+    ``restart_cmd``, else ``systemctl restart salt-master`` where systemd
+    runs; the restart marker is written first (:func:`daemon.mark_restart`).
+    Returns ``"restarting"`` or ``"restart_required"`` (nothing could
+    restart it).
     """
-    fsutil.atomic_write(os.path.join(state_dir, daemon.RESTART_MARKER), f"{time.time()}\n",
-                        mode=0o600)
+    daemon.mark_restart(mopts, os.path.join(layout.state_dir(mopts), daemon.RESTART_MARKER))
     cmd = restart_cmd or ("systemctl restart salt-master" if systemd_booted else None)
     if not cmd:
         return "restart_required"

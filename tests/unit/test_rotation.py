@@ -134,10 +134,12 @@ def test_stage_keypair_is_reused_then_dropped(tmp_path):
 def test_restart_primary(tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr(rotation.subprocess, "Popen", lambda cmd, **kw: launched.append(cmd))
-    assert rotation.restart_primary(str(tmp_path), None, False) == "restart_required"
-    assert (tmp_path / daemon.RESTART_MARKER).is_file() and launched == []
-    assert rotation.restart_primary(str(tmp_path), None, True) == "restarting"
-    assert rotation.restart_primary(str(tmp_path), "service salt-master restart", False) == \
+    opts = _mopts(tmp_path, pidfile=str(tmp_path / "master.pid"))
+    assert rotation.restart_primary(opts, None, False) == "restart_required"
+    marker = tmp_path / "cache" / "multimaster" / daemon.RESTART_MARKER
+    assert marker.is_file() and _mode(marker) == 0o600 and launched == []
+    assert rotation.restart_primary(opts, None, True) == "restarting"
+    assert rotation.restart_primary(opts, "service salt-master restart", False) == \
         "restarting"
     assert launched == ["systemctl restart salt-master", "service salt-master restart"]
     assert "master_restart_cmd" in rotation.restart_remedy("m1", "restart_required")
