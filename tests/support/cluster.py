@@ -36,7 +36,9 @@ import time
 
 import pytest
 import salt.config
+import salt.defaults.events
 import salt.payload
+import salt.utils.event
 import salt.utils.yaml
 from pytestshellutils.exceptions import FactoryTimeout
 from salt_multimaster.rotation import gen_keypair  # noqa: F401  (the product's own; tests import it from here)
@@ -359,6 +361,34 @@ class Cluster:
 
     def salt_call(self, minion, *args, timeout=120, **kwargs):
         return self._env(minion.salt_call_cli(timeout=timeout)).run(*args, **kwargs)
+
+    def refresh_pillar(self, master, minion, deadline=120):
+        """
+        Refresh ``minion``'s pillar through ``master`` and wait until all of
+        its Minion objects are done; the number of completions seen.
+
+        A multi-master salt-minion runs one Minion object per ``master``
+        entry (a duplicate entry too), and each refreshes on the one
+        ``pillar_refresh`` event.  ``saltutil.refresh_pillar wait=True``
+        returns at the first completion event, with the others still
+        compiling: a test that then makes a sign-in fail (a stale
+        minion_master.pub) would catch one of them half way, and on Salt
+        3007/3008 a pillar that fails its signature check breaks that
+        master's session.  Here the test listens on the minion's own event
+        bus and counts one completion per entry.
+        """
+        entries = salt.config.minion_config(minion.config_file)["master"]
+        expected = len(entries) if isinstance(entries, list) else 1
+        seen = 0
+        with salt.utils.event.get_event("minion", opts=dict(minion.config), listen=True) as bus:
+            ret = self.salt(master, "saltutil.refresh_pillar", minion_tgt=minion.id)
+            assert ret.returncode == 0, ret
+            end = time.time() + deadline
+            while seen < expected and time.time() < end:
+                if bus.get_event(wait=1, tag=salt.defaults.events.MINION_PILLAR_REFRESH_COMPLETE):
+                    seen += 1
+        assert seen == expected, f"{minion.id}: {seen} of {expected} pillar refreshes completed"
+        return seen
 
     def ping(self, master, minion_id, timeout=10):
         """True when ``minion_id`` answers test.ping through ``master``."""
