@@ -53,8 +53,10 @@ def cluster(cluster_factory):
         cluster.write_contract_pillar(master, PILLAR_MINIONS, expected, finger)
     for minion in cluster.all_minions:
         assert cluster.wait_ping(cluster.primary, minion.id)
-    ret = cluster.salt(cluster.primary, "saltutil.refresh_pillar", "wait=True")
-    assert ret.returncode == 0, ret
+    # every Minion object of every minion (the audit reads the pillar the
+    # job's own master compiled for it)
+    for each in cluster.all_minions:
+        cluster.refresh_pillar(cluster.primary, each)
     cluster.expected = expected
     cluster.finger = finger
     yield cluster
