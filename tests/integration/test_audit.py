@@ -56,7 +56,8 @@ def cluster(cluster_factory):
     # every Minion object of every minion (the audit reads the pillar the
     # job's own master compiled for it)
     for each in cluster.all_minions:
-        cluster.refresh_pillar(cluster.primary, each)
+        ret = cluster.refresh_pillar(cluster.primary, each)
+        assert ret.returncode == 0, ret
     cluster.expected = expected
     cluster.finger = finger
     yield cluster

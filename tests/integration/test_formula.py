@@ -147,7 +147,8 @@ def frm_synced(frm):
     # refresh=False: the sync's own pillar refresh would run unwatched
     ret = frm.salt(frm.primary, "saltutil.sync_all", "refresh=False", minion_tgt=minion.id,
                    timeout=240)
-    frm.refresh_pillar(frm.primary, minion)
+    refreshed = frm.refresh_pillar(frm.primary, minion)
+    assert refreshed.returncode == 0, refreshed
     return ret
 
 
@@ -239,8 +240,9 @@ def test_stale_setup(frm, frm_synced):
 
 def test_stale_key_repaired_by_a_plain_job(frm, stale_key):
     """
-    ``state.apply`` cannot run on this minion now: Salt 3008 verifies every
-    freshly compiled pillar with the cached master key.  A plain job runs on
+    ``state.apply`` cannot run on this minion now: Salt verifies every
+    freshly compiled pillar with the cached master key (3006.28, 3007.15,
+    3008).  A plain job runs on
     the live session: ``multimaster.master_key_apply`` takes the key from
     pillar ``multimaster:master_pub``.
     """
@@ -255,6 +257,28 @@ def test_stale_key_repaired_by_a_plain_job(frm, stale_key):
     assert open(ret.data["backup"], encoding="utf-8").read() == stale_key
     _, master_pub = cluster_master_pub(frm)
     assert cached.read_text().strip() == master_pub.strip()
+
+
+def test_stale_key_repaired_after_a_failed_pillar_refresh(frm, stale_key):
+    """
+    A pillar refresh on the stale key fails its signature check (on Salt
+    3007.15 that master then got none of the minion's returns until the key
+    was right).  ``multimaster.master_key_apply`` as a plain job still runs,
+    writes the key and answers; the minion answers the next job too.
+    """
+    minion = frm.minions[0]
+    _, cached = _minion_paths(minion)
+    log = frm.log_files(minion)[0]
+    since = log.stat().st_size
+    frm.refresh_pillar(frm.primary, minion)  # completes, with an error logged
+    assert "Pillar data could not be refreshed" in log.read_text(errors="replace")[since:]
+    ret = frm.salt(frm.primary, "multimaster.master_key_apply", minion_tgt=minion.id,
+                   timeout=120)
+    assert ret.returncode == 0, ret
+    assert ret.data["written"] is True, ret.data
+    assert open(ret.data["backup"], encoding="utf-8").read() == stale_key
+    assert cached.read_text().strip() == cluster_master_pub(frm)[1].strip()
+    assert frm.ping(frm.primary, minion.id), "no answer after the repair"
 
 
 @pytest.mark.usefixtures("frm_synced")

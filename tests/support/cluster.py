@@ -375,20 +375,21 @@ class Cluster:
         minion_master.pub) would catch one of them half way, and on Salt
         3007/3008 a pillar that fails its signature check breaks that
         master's session.  Here the test listens on the minion's own event
-        bus and counts one completion per entry.
+        bus and counts one completion per entry (a failed refresh completes
+        too); the CLI's return (which a failed refresh may keep from
+        arriving).
         """
         entries = salt.config.minion_config(minion.config_file)["master"]
         expected = len(entries) if isinstance(entries, list) else 1
         seen = 0
         with salt.utils.event.get_event("minion", opts=dict(minion.config), listen=True) as bus:
             ret = self.salt(master, "saltutil.refresh_pillar", minion_tgt=minion.id)
-            assert ret.returncode == 0, ret
             end = time.time() + deadline
             while seen < expected and time.time() < end:
                 if bus.get_event(wait=1, tag=salt.defaults.events.MINION_PILLAR_REFRESH_COMPLETE):
                     seen += 1
         assert seen == expected, f"{minion.id}: {seen} of {expected} pillar refreshes completed"
-        return seen
+        return ret
 
     def ping(self, master, minion_id, timeout=10):
         """True when ``minion_id`` answers test.ping through ``master``."""
