@@ -364,20 +364,20 @@ class Cluster:
 
     def refresh_pillar(self, master, minion, deadline=120):
         """
-        Refresh ``minion``'s pillar through ``master`` and wait until all of
-        its Minion objects are done; the number of completions seen.
+        Refresh ``minion``'s pillar through ``master``, wait until every one
+        of its Minion objects is done, and return the CLI's return (which a
+        failed refresh may keep from arriving).
 
         A multi-master salt-minion runs one Minion object per ``master``
         entry (a duplicate entry too), and each refreshes on the one
         ``pillar_refresh`` event.  ``saltutil.refresh_pillar wait=True``
         returns at the first completion event, with the others still
-        compiling: a test that then makes a sign-in fail (a stale
-        minion_master.pub) would catch one of them half way, and on Salt
-        3007/3008 a pillar that fails its signature check breaks that
-        master's session.  Here the test listens on the minion's own event
+        compiling: a test that then makes the cached master key stale would
+        catch one of them half way, and a pillar that fails its signature
+        check (3006.28, 3007.15, 3008) leaves that master without the
+        minion's returns.  Here the test listens on the minion's own event
         bus and counts one completion per entry (a failed refresh completes
-        too); the CLI's return (which a failed refresh may keep from
-        arriving).
+        too).
         """
         entries = salt.config.minion_config(minion.config_file)["master"]
         expected = len(entries) if isinstance(entries, list) else 1
