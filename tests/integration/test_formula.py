@@ -181,8 +181,8 @@ def stale_key(frm, frm_synced):  # pylint: disable=unused-argument
     _reset(frm, key=stale)
     yield stale.decode()
     _right_key(frm)
-    # a sign-in that failed on the stale key (Salt 3007/3008: any pillar
-    # refresh) leaves returns undelivered until the next one succeeds: the
+    # a sign-in that failed on the stale key (any pillar refresh) leaves
+    # returns undelivered until the next one succeeds: the
     # minion answers again before the next test starts, or this one errors
     assert frm.wait_ping(frm.primary, frm.minions[0].id), "no answer with the right key back"
 
@@ -268,10 +268,9 @@ def test_stale_key_repaired_after_a_failed_pillar_refresh(frm, stale_key):
     """
     minion = frm.minions[0]
     _, cached = _minion_paths(minion)
-    log = frm.log_files(minion)[0]
-    since = log.stat().st_size
+    since = frm.log_size(minion)
     frm.refresh_pillar(frm.primary, minion)  # completes, with an error logged
-    assert "Pillar data could not be refreshed" in log.read_text(errors="replace")[since:]
+    assert "Pillar data could not be refreshed" in frm.log_since(minion, since)
     ret = frm.salt(frm.primary, "multimaster.master_key_apply", minion_tgt=minion.id,
                    timeout=120)
     assert ret.returncode == 0, ret

@@ -48,12 +48,8 @@ def _sync(cluster, *args):
 
 def _unlisted(cluster, daemon, since):
     """The 'N director(ies) unlisted' of the roots reads logged after ``since`` (an offset)."""
-    text = cluster.log_files(daemon)[0].read_text(errors="replace")[since:]
+    text = cluster.log_since(daemon, since)
     return [int(n) for n in re.findall(r"roots read at watcher token \d+, (\d+) director", text)]
-
-
-def _log_size(cluster, daemon):
-    return cluster.log_files(daemon)[0].stat().st_size
 
 
 def _tree(master):
@@ -81,7 +77,7 @@ def test_a_sync_lists_only_what_changed_and_holds_the_peer_as_a_replica(cluster)
 
     # in place, nested; a new directory; a file removed; a mode changed; a
     # key added, and a key rewritten in place (same name, same dir mtime)
-    primary_log, peer_log = _log_size(cluster, primary), _log_size(cluster, peer_minion(cluster))
+    primary_log, peer_log = cluster.log_size(primary), cluster.log_size(peer_minion(cluster))
     with open(base / "d1" / "sub" / "f1.sls", "r+b") as fh:
         fh.write(b"X")
     (base / "new" / "deeper").mkdir(parents=True)
@@ -151,7 +147,7 @@ def test_without_the_engine_a_sync_reads_everything(cluster):
         os.kill(pid, signal.SIGKILL)
     with open(base / "d4" / "sub" / "f4.sls", "r+b") as fh:
         fh.write(b"Y")
-    log = _log_size(cluster, primary)
+    log = cluster.log_size(primary)
     res = _sync(cluster)
     assert res["file_roots"]["updated"] == ["base:d4/sub/f4.sls"], res
     assert _tree(peer) == _tree(primary)
@@ -160,7 +156,7 @@ def test_without_the_engine_a_sync_reads_everything(cluster):
     # Salt restarts the engine; the next syncs use it again
     assert _wait_for(lambda: sock.is_socket() and _serving(sock) not in ([], engine), 120)
     _sync(cluster)
-    log = _log_size(cluster, primary)
+    log = cluster.log_size(primary)
     (base / "d5" / "sub" / "f0.sls").write_text("after the restart\n")
     res = _sync(cluster)
     assert res["file_roots"]["updated"] == ["base:d5/sub/f0.sls"], res

@@ -143,11 +143,7 @@ def master_key_paths(pki_dir):
 def _each(fn, daemons):
     """``fn(daemon)`` for every daemon at once (threads); the first error raised, after all ended."""
     daemons = list(daemons)
-    if len(daemons) < 2:
-        for daemon in daemons:
-            fn(daemon)
-        return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(daemons)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(daemons))) as pool:
         for future in [pool.submit(fn, daemon) for daemon in daemons]:
             future.result()
 
@@ -479,6 +475,14 @@ class Cluster:
     @staticmethod
     def log_files(daemon):
         return [pathlib.Path(daemon.config["log_file"])]
+
+    def log_size(self, daemon):
+        """Where ``daemon``'s log ends now: an offset for ``log_since``."""
+        return self.log_files(daemon)[0].stat().st_size
+
+    def log_since(self, daemon, offset):
+        """What ``daemon`` logged after ``offset`` (bytes, as ``log_size`` gives)."""
+        return self.log_files(daemon)[0].read_bytes()[offset:].decode(errors="replace")
 
 
 def wait_until(predicate, deadline=120, step=0.5):
