@@ -182,8 +182,8 @@ def stale_key(frm, frm_synced):  # pylint: disable=unused-argument
     yield stale.decode()
     _right_key(frm)
     # a sign-in that failed on the stale key (any pillar refresh) leaves
-    # returns undelivered until the next one succeeds: the
-    # minion answers again before the next test starts, or this one errors
+    # returns undelivered until the next one succeeds: the minion answers
+    # again before the next test starts, or this one errors
     assert frm.wait_ping(frm.primary, frm.minions[0].id), "no answer with the right key back"
 
 
