@@ -492,12 +492,10 @@ def test_duplicate_minion_process(cluster):
 
 # ----- the file_roots install path (second cluster: nothing pip installed) ------------
 @pytest.fixture(scope="module")
-def fr_cluster(cluster_factory, clean_environ):
-    from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
-
+def fr_cluster(cluster_factory, clean_environ, repo_tree):
     fr = cluster_factory(
         "auf", peers=0, minions=1, environ=clean_environ,
-        primary_overrides={"file_roots": {"base": [str(REPO)]}},
+        primary_overrides={"file_roots": {"base": [str(repo_tree)]}},
     )
     fr.start()
     yield fr
