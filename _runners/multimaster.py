@@ -28,7 +28,6 @@ import sys
 import threading
 import time
 
-import salt.client
 import salt.loader
 import salt.utils.event
 import salt.utils.extmods
@@ -45,14 +44,14 @@ __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "jobs", "layout", "lock", "manifest",
-                                 "membership", "protocol", "replicate", "report", "rotation",
-                                 "rounds", "validate")}
+                                 "membership", "protocol", "publish", "replicate", "report",
+                                 "rotation", "rounds", "validate")}
 _CORE["sync_core"] = "sync"
 
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, jobs, layout, lock, manifest, membership,
-                                  protocol, replicate, report, rotation, rounds, validate)
+                                  protocol, publish, replicate, report, rotation, rounds, validate)
     # the public function sync() takes the module's name
     from salt_multimaster import sync as sync_core
 
@@ -218,8 +217,11 @@ PROGRESS_EVERY = 5
 
 
 def _client():
-    """A LocalClient of this master (the caller destroys it)."""
-    return salt.client.LocalClient(mopts=__opts__)
+    """
+    A LocalClient of this master (the caller destroys it), without the
+    module loaders a publish does not use (:mod:`salt_multimaster.publish`).
+    """
+    return publish.PublishClient(__opts__)
 
 
 def _gather_timeout():

@@ -518,7 +518,7 @@ def _run_runner(runner, output=None, **kwargs):
     opts = {"id": "master01", "timeout": 5, "output": output}
     FakeClient.calls = []
     with mock.patch.dict(runner.__opts__, opts, clear=True), \
-            mock.patch("salt.client.LocalClient", FakeClient), \
+            mock.patch("salt_multimaster.publish.PublishClient", FakeClient), \
             mock.patch("salt.utils.minions.CkMinions", FakeCkMinions):
         return runner.audit(**kwargs)
 
