@@ -32,7 +32,7 @@ KEYS_HASHCACHE = "hashcache-keys.json"
 # the directories of the last roots walk, with the watcher's token (DirRecords)
 ROOTS_DIRS = "roots-dirs.json"
 ROOTS_DIRS_BUCKETS = "roots-dirs.d"
-ROOTS_DIRS_FORMAT = 2
+ROOTS_DIRS_FORMAT = 3
 ROOTS_HASHCACHE = "hashcache-roots.json"
 KEYS_SNAPSHOT = "keys-snapshot.json"
 # its keys, one file per bucket (key_buckets)
@@ -229,13 +229,13 @@ class HashCache:
 
     def save(self, keep=None):
         """
-        Persist, dropping entries not in ``keep`` (the paths seen this run);
-        a cache never read is left as it is.
+        Persist, dropping entries not in ``keep`` (a set, or any container,
+        of the paths seen this run); a cache never read is left as it is.
         """
         if self._entries is None:
             return
         if keep is not None:
-            stale = set(self.entries) - set(keep)
+            stale = [path for path in self.entries if path not in keep]
             for path in stale:
                 del self.entries[path]
             self.dirty = self.dirty or bool(stale)
@@ -367,7 +367,8 @@ def _dir_entries(root, rel_dir, dirpath, real_dir, inside, ignore, cache, old=No
     return files, subdirs, clean
 
 
-def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, touched=None):
+def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, touched=None,
+                  deferred=None):
     """
     The merged view Salt serves for one saltenv: ``rel -> [size, mode, sha256]``.
 
@@ -378,7 +379,9 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, to
     ``records``: a :class:`DirRecords`; a directory it vouches for is taken
     from the last walk without being listed, and every clean directory
     listed is recorded for the next walk.  ``touched``: a :class:`Touched`
-    told of every directory listed.
+    told of every directory listed.  ``deferred``: a :class:`Deferred` (with
+    ``records``) the files of the directories taken from their records are
+    left to, out of the manifest returned until its ``complete``.
     """
     ret = {}
     errors = errors if errors is not None else []
@@ -401,22 +404,16 @@ def tree_manifest(roots, ignore, cache, seen=None, errors=None, records=None, to
             if real_dir in ancestors:
                 continue  # a symlink loop inside the root
             ancestors = ancestors | {real_dir}
-            reused = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
-                      else None)
+            subdirs = (records.reuse(real_dir, rel_dir, dirpath) if records is not None
+                       else None)
             rel_prefix = f"{rel_dir}/" if rel_dir else ""
             last = None  # what the last walk found in a directory listed now
-            if reused is not None:
-                # as recorded: [name, size, mode, sha256, inode, mtime_ns] each
-                recorded, subdirs = reused
-                prefix = real_dir + os.sep
-                for entry in recorded:
-                    rel = rel_prefix + entry[0]
-                    if rel in ret:
-                        continue
-                    if seen is not None:
-                        seen.append(prefix + entry[0])
-                    ret[rel] = entry[1:4]
+            if subdirs is not None:
+                if deferred is None or not deferred.take(rel_dir, rel_prefix, real_dir):
+                    _put_recorded(ret, seen, rel_prefix, real_dir, records.entries(real_dir))
             else:
+                if deferred is not None:
+                    deferred.listing(ret, rel_dir, seen)
                 old = records.old(real_dir) if records is not None else None
                 try:
                     found = _dir_entries(
@@ -499,6 +496,17 @@ def _valid_dir_records(dirs):
         for rec in dirs.values())
 
 
+def _valid_tree_entry(entry):
+    """An entry of :attr:`DirRecords.tree`: ``[rel, subdirectory names, clean]``."""
+    return (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+            and isinstance(entry[1], list) and all(isinstance(n, str) for n in entry[1])
+            and isinstance(entry[2], bool))
+
+
+class RecordsLost(Exception):
+    """A directory's record, taken as unchanged, could not be read back (:meth:`DirRecords.entries`)."""
+
+
 class DirRecords:
     """
     The directories of the last roots walk, saved in ``state_dir``
@@ -515,7 +523,11 @@ class DirRecords:
     buckets whose records changed, then that file, and a bucket's file that
     is not the one named (lost, torn, another save's) is not used, so its
     directories are listed again.  A record is used as it was written: the
-    sha256 vouches for every entry of its file.
+    sha256 vouches for every entry of its file.  :data:`ROOTS_DIRS` also
+    holds the shape of the walk (``tree``: each directory's place and
+    subdirectories), so a walk through directories the watcher vouches for
+    parses no record: the files of such a directory are read from its
+    record only when the whole manifest is wanted (:class:`Deferred`).
     """
 
     def __init__(self, state_dir, ignore):
@@ -524,18 +536,23 @@ class DirRecords:
         data = read_json(self.path)
         good = (isinstance(data, dict) and data.get("format") == ROOTS_DIRS_FORMAT
                 and data.get("ignore") == self.ignore_key
-                and isinstance(data.get("buckets"), dict) and isinstance(data.get("token"), dict))
+                and isinstance(data.get("buckets"), dict) and isinstance(data.get("token"), dict)
+                and isinstance(data.get("tree"), dict))
         self.files = BucketFiles(os.path.join(state_dir, ROOTS_DIRS_BUCKETS),
                                  data["buckets"] if good else {}, _valid_dir_records)
-        self._old = {}  # the records
-        for bucket in list(self.files.shas):
-            self._old.update(self.files.get(bucket) or {})
+        # every bucket file read and checked against its sha256, none parsed:
+        # the directories of one that does not match are listed again
+        matching = self.files.matching()
+        #: ``{real dir: [rel, subdirectory names, clean]}`` of the last walk
+        self.tree = {d: entry for d, entry in (data["tree"] if good else {}).items()
+                     if _valid_tree_entry(entry) and bucket_of(d) in matching}
         #: the watcher's token the saved records were read at (None: none)
         self.token = data["token"] if good else None
         #: the saved records' generation, and this walk's (RootsParts)
         self.gen = data.get("gen") if good else None
         self.next_gen = os.urandom(8).hex()
-        self.new = {}
+        self.new = {}  # the records of the directories listed now
+        self.kept = set()  # the directories taken from their records
         self._trees = ()
         self._dirty = frozenset()
         self._names = {}
@@ -586,30 +603,44 @@ class DirRecords:
     def _vouched(self, real_dir):
         return real_dir not in self._dirty and (real_dir + os.sep).startswith(self._trees)
 
+    def _record(self, real_dir):
+        """The saved record of ``real_dir`` (None: none, or its bucket's file does not match)."""
+        if real_dir not in self.tree:
+            return None
+        return (self.files.get(bucket_of(real_dir)) or {}).get(real_dir)
+
     def old(self, real_dir):
         """The saved clean record of ``real_dir`` (None: none, or of a directory listed unclean)."""
-        rec = self._old.get(real_dir)
+        rec = self._record(real_dir)
         return None if rec is None or rec.get("unclean") else rec
 
     def reuse(self, real_dir, rel_dir, dirpath):
         """
-        ``(files, subdirs)`` of ``real_dir`` as recorded, when the watcher
-        vouches it did not change and it was recorded at the same place in
-        its root; else None (list it).  ``files``: the record's entries,
-        ``[name, size, mode, sha256, inode, mtime_ns]`` each; ``subdirs``:
+        The subdirectories of ``real_dir`` as recorded, when the watcher
+        vouches it did not change and it was recorded clean at the same
+        place in its root (its files: :meth:`entries`); else None (list it).
         ``(name, path, real path)`` each, as :func:`_dir_entries` gives them.
         """
         if not self._vouched(real_dir):
             return None
-        rec = self.old(real_dir)
-        if rec is None or rec.get("rel") != rel_dir:
+        entry = self.tree.get(real_dir)
+        if entry is None or entry[0] != rel_dir or not entry[2]:
             return None
         prefix = real_dir + os.sep
-        subdirs = [(name, os.path.join(dirpath, name), prefix + name)
-                   for name in rec["subdirs"]]
-        self.new[real_dir] = rec
+        self.kept.add(real_dir)
         self.reused += 1
-        return rec["files"], subdirs
+        return [(name, os.path.join(dirpath, name), prefix + name) for name in entry[1]]
+
+    def entries(self, real_dir):
+        """
+        The files of a directory :meth:`reuse` took, as recorded:
+        ``[name, size, mode, sha256, inode, mtime_ns]`` each.  Raises
+        :class:`RecordsLost` when its record cannot be read back.
+        """
+        rec = self.old(real_dir)
+        if rec is None:
+            raise RecordsLost(real_dir)
+        return rec["files"]
 
     def record(self, real_dir, rel_dir, files, subdirs, clean):
         """
@@ -630,41 +661,126 @@ class DirRecords:
         ``(rel, file names, subdirectory names, clean)`` of ``real_dir`` at
         the last walk, clean or not; None when it was not walked.
         """
-        rec = self._old.get(real_dir)
+        rec = self._record(real_dir)
         if rec is None:
             return None
         clean = not rec.get("unclean")
         names = [f[0] for f in rec["files"]] if clean else rec["names"]
         return rec["rel"], names, rec["subdirs"], clean
 
+    def forget(self):
+        """Remove the saved records: the next walk lists every directory."""
+        fsutil.remove(self.path)
+
     def save(self, token):
-        """Save the records of this walk, read at the watcher's ``token``."""
-        cut = {bucket: {} for bucket in self.files.shas}
+        """
+        Save the records of this walk, read at the watcher's ``token``: the
+        directories listed or taken from their records, no other.  Only the
+        buckets of directories listed, gone, or whose file did not match
+        are written again.
+        """
+        walked = self.kept | set(self.new)
+        by_bucket = {}
         for real_dir, rec in self.new.items():
-            cut.setdefault(bucket_of(real_dir), {})[real_dir] = rec
-        # a bucket whose file did not match (None) is written again
-        self.files.save({bucket: dirs for bucket, dirs in cut.items()
-                         if dirs != self.files.get(bucket)})
+            by_bucket.setdefault(bucket_of(real_dir), {})[real_dir] = rec
+        dirty = set(by_bucket) | {bucket_of(d) for d in self.tree if d not in walked}
+        dirty |= self.files.bad & set(self.files.shas)
+        changed = {}
+        for bucket in dirty:
+            old = self.files.get(bucket)
+            part = {d: rec for d, rec in (old or {}).items() if d in self.kept}
+            part.update(by_bucket.get(bucket, {}))
+            if part != old:
+                changed[bucket] = part
+        self.files.save(changed)
+        tree = {d: self.tree[d] for d in self.kept}
+        tree.update({d: [rec["rel"], rec["subdirs"], not rec.get("unclean")]
+                     for d, rec in self.new.items()})
         fsutil.atomic_write(self.path, json.dumps({"format": ROOTS_DIRS_FORMAT, "token": token,
                                                    "ignore": self.ignore_key,
                                                    "gen": self.next_gen,
-                                                   "buckets": self.files.shas}),
+                                                   "buckets": self.files.shas, "tree": tree}),
                             mode=0o600, durable=False)
 
 
+class Deferred:
+    """
+    The directories of one saltenv's walk (:func:`tree_manifest`) taken
+    from their records (:meth:`DirRecords.reuse`) whose files are not put
+    in the manifest yet: a change sync with the journal needs only the
+    paths of the directories listed (:class:`Touched`,
+    :meth:`RootsParts.update`).  :meth:`complete` puts them in, as the walk
+    would have, when the whole manifest is wanted.
+
+    The first root serving a path wins: a directory listed at a place
+    (``rel``) where an earlier root's directory was taken from its record
+    has that one put in first, and none is deferred at a place listed in
+    this saltenv, so every path of a listed place is in the manifest.
+    """
+
+    def __init__(self, records):
+        self.records = records
+        self.dirs = {}  # rel dir -> [(rel prefix, real dir)], in walk order
+        self.order = []  # rel dirs, as first deferred
+        self.listed = set()
+        #: the real paths of the directories deferred, put in or not
+        self.real_dirs = set()
+
+    def take(self, rel_dir, rel_prefix, real_dir):
+        """Defer a directory taken from its record; False: put its files in now."""
+        if rel_dir in self.listed:
+            return False
+        if rel_dir not in self.dirs:
+            self.dirs[rel_dir] = []
+            self.order.append(rel_dir)
+        self.dirs[rel_dir].append((rel_prefix, real_dir))
+        self.real_dirs.add(real_dir)
+        return True
+
+    def listing(self, ret, rel_dir, seen):
+        """A directory is listed at ``rel_dir``: put in what was deferred there first."""
+        self.listed.add(rel_dir)
+        for rel_prefix, real_dir in self.dirs.pop(rel_dir, ()):
+            _put_recorded(ret, seen, rel_prefix, real_dir, self.records.entries(real_dir))
+
+    def complete(self, ret, seen):
+        """Put every deferred directory's files in ``ret`` (its saltenv's manifest)."""
+        for rel_dir in self.order:
+            for rel_prefix, real_dir in self.dirs.pop(rel_dir, ()):
+                _put_recorded(ret, seen, rel_prefix, real_dir, self.records.entries(real_dir))
+        self.order = []
+
+
+def _put_recorded(ret, seen, rel_prefix, real_dir, recorded):
+    """The files of a directory taken from its record, into the manifest ``ret``."""
+    prefix = real_dir + os.sep
+    for entry in recorded:
+        rel = rel_prefix + entry[0]
+        if rel in ret:
+            continue
+        if seen is not None:
+            seen.append(prefix + entry[0])
+        ret[rel] = entry[1:4]
+
+
 def roots_manifest(roots_by_env, ignore, cache, seen=None, errors=None, records=None,
-                   touched=None):
+                   touched=None, deferred=None):
     """
     ``{saltenv: tree_manifest}`` for a ``file_roots``/``pillar_roots``
-    mapping.  ``touched``: a dict given each saltenv's :class:`Touched`.
+    mapping.  ``touched``: a dict given each saltenv's :class:`Touched`;
+    ``deferred`` (with ``records``): a dict given each saltenv's
+    :class:`Deferred`.
     """
     ret = {}
     for env, roots in sorted((roots_by_env or {}).items()):
         found = []
         if touched is not None:
             touched[env] = Touched()
+        if deferred is not None:
+            deferred[env] = Deferred(records)
         ret[env] = tree_manifest(roots, ignore, cache, seen=seen, errors=found, records=records,
-                                 touched=touched[env] if touched is not None else None)
+                                 touched=touched[env] if touched is not None else None,
+                                 deferred=deferred[env] if deferred is not None else None)
         for error in found:
             if isinstance(error, Damaged):
                 error.where = env
@@ -685,8 +801,28 @@ def damaged_sources(errors):
     return ret
 
 
+class _Kept:
+    """
+    The paths a roots read keeps in its hash cache: the files it saw, and
+    those of the directories it took from their records (unchanged).
+    """
+
+    def __init__(self, seen, dirs):
+        self.seen = set(seen)
+        self.dirs = dirs
+
+    def __contains__(self, path):
+        return path in self.seen or os.path.dirname(path) in self.dirs
+
+
+def _complete(mans, deferred, seen):
+    """Put the files :class:`Deferred` left out into each saltenv's manifest of ``mans``."""
+    for env, later in (deferred or {}).items():
+        later.complete(mans[env], seen)
+
+
 def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None,
-               buckets=None):
+               buckets=None, manifests=True):
     """
     ``({category: roots_manifest}, {category: errors})`` of the
     ``file_roots``/``pillar_roots`` among ``categories``, through the roots
@@ -698,7 +834,10 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
     bound to its socket); when it answers, the directories it vouches for
     are not listed (:class:`DirRecords`).  ``buckets``: a dict given each
     category's :class:`RootsParts` (the one it holds is used), updated by
-    this read and saved with it.
+    this read and saved with it.  ``manifests``: False when only the
+    ``buckets`` are wanted: each manifest returned is None, and the files of
+    the directories the watcher vouches for are read from their records only
+    when the buckets cannot be cut from the paths listed (:class:`Deferred`).
     """
     cats = [c for c in categories if c in ("file_roots", "pillar_roots")]
     if not cats:
@@ -714,18 +853,45 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
             records = reply = None  # no watcher: every directory listed
         elif not rescan:
             records.use(reply)
-    seen, mans, errors = [], {}, {}
+    try:
+        return _read_roots(opts, cats, state_dir, later, cache, records, reply, buckets,
+                           manifests)
+    except RecordsLost as exc:
+        # a record with the sha256 its index names that does not parse:
+        # never written so; the records go, and every directory is listed
+        log.warning("multimaster: the record of %s could not be read back: "
+                    "listing every directory of the roots", exc)
+        records.forget()
+        return read_roots(opts, categories, state_dir, rescan=rescan, later=later,
+                          buckets=buckets, manifests=manifests)
+
+
+def _read_roots(opts, cats, state_dir, later, cache, records, reply, buckets, manifests):
+    """:func:`read_roots` once its watcher is asked (``records``, ``reply``: None without)."""
+    ignore = Ignore.from_opts(opts)
+    seen, mans, errors, deferred, saves = [], {}, {}, {}, []
     for cat in cats:
         errors[cat] = []
         touched = {} if records is not None and buckets is not None else None
+        deferred[cat] = {} if touched is not None else None
         mans[cat] = roots_manifest(opts.get(cat), ignore, cache, seen=seen,
-                                   errors=errors[cat], records=records, touched=touched)
+                                   errors=errors[cat], records=records, touched=touched,
+                                   deferred=deferred[cat])
         if buckets is not None:
             parts = buckets.setdefault(cat, RootsParts(state_dir, cat))
-            changed = parts.update(opts.get(cat), mans[cat], touched,
-                                   records.gen if records is not None else None)
-            fsutil.now_or_later(later, parts.save, changed,
-                                records.next_gen if records is not None else None)
+            changed = parts.update(
+                opts.get(cat), mans[cat], touched, records.gen if records is not None else None,
+                complete=lambda cat=cat: _complete(mans[cat], deferred[cat], seen))
+            saves.append((parts.save, changed))
+    for cat in cats:
+        if manifests:
+            _complete(mans[cat], deferred[cat], seen)
+        else:
+            mans[cat] = None
+    # saved only once every record needed was read back (RecordsLost)
+    for save, changed in saves:
+        fsutil.now_or_later(later, save, changed,
+                            records.next_gen if records is not None else None)
     if records is not None:
         log.debug("multimaster: roots read at watcher token %s, %d director(ies) unlisted",
                   reply.get("seq"), records.reused)
@@ -733,7 +899,11 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
         # a category not read now would be trusted at a token later than theirs)
         fsutil.now_or_later(later, records.save,
                             {"session": reply["session"], "seq": reply.get("seq")})
-    fsutil.now_or_later(later, cache.save, keep=seen if len(cats) == 2 else None)
+    keep = None
+    if len(cats) == 2:
+        keep = _Kept(seen, {real_dir for envs in deferred.values() for later_env in
+                            (envs or {}).values() for real_dir in later_env.real_dirs})
+    fsutil.now_or_later(later, cache.save, keep=keep)
     return mans, errors
 
 
@@ -993,7 +1163,7 @@ class BucketFiles:
     (and ``valid(data)``); one lost, torn, stale or altered reads as None.
     What was read stays: :meth:`save` reads the files it replaces first, so
     they are still the answer for the ``shas`` given.  ``files_read``: how
-    many files were read.  ``durable``: not a cache (the files flushed to
+    many files were read, ``parsed``: how many of them were parsed.  ``durable``: not a cache (the files flushed to
     disk, as :func:`fsutil.atomic_write` does by default).
     """
 
@@ -1002,13 +1172,43 @@ class BucketFiles:
         self.durable = durable  # each file flushed before and after its rename
         self.shas = dict(shas) if isinstance(shas, dict) else {}
         self.files_read = 0
+        self.parsed = 0
         self.bad = set()  # buckets whose file did not match
         self._given = dict(self.shas)
         self._valid = valid
         self._read = {}
+        self._texts = {}  # read and checked by matching(), not parsed yet
 
     def _path(self, bucket):
         return os.path.join(self.dir, f"{bucket}.json")
+
+    def _text(self, bucket):
+        """The bytes of ``bucket``'s file when it is the one named, else None."""
+        if bucket in self._texts:
+            return self._texts.pop(bucket)
+        self.files_read += 1
+        try:
+            with open(self._path(bucket), "rb") as fh:
+                text = fh.read()
+        except OSError:
+            return None
+        return text if hashlib.sha256(text).hexdigest() == self._given[bucket] else None
+
+    def matching(self):
+        """
+        The buckets whose file is the one named (each read and checked, its
+        data parsed only when :meth:`get` asks for it); the others are in
+        ``bad``.
+        """
+        for bucket in self._given:
+            if bucket not in self._read and bucket not in self._texts:
+                text = self._text(bucket)
+                if text is None:
+                    self._read[bucket] = None
+                    self.bad.add(bucket)
+                else:
+                    self._texts[bucket] = text
+        return {b for b in self._given if b in self._texts or self._read.get(b) is not None}
 
     def get(self, bucket):
         """One bucket's data (``{}``: an empty bucket), None when its file does not match."""
@@ -1016,14 +1216,13 @@ class BucketFiles:
             want = self._given.get(bucket)
             data = {}
             if want is not None:
-                self.files_read += 1
                 data = None
+                text = self._text(bucket)
                 try:
-                    with open(self._path(bucket), "rb") as fh:
-                        text = fh.read()
-                    if hashlib.sha256(text).hexdigest() == want:
+                    if text is not None:
+                        self.parsed += 1
                         data = json.loads(text).get("bucket")
-                except (OSError, ValueError, AttributeError):
+                except (ValueError, AttributeError):
                     pass
                 if not self._valid(data):
                     data = None
@@ -1577,12 +1776,14 @@ class RootsParts:
         parts = _LazyParts(lambda: raw, part)
         return self.digest, lambda: parts
 
-    def update(self, roots_by_env, man, touched, gen):
+    def update(self, roots_by_env, man, touched, gen, complete=None):
         """
         This read's ``parts``, ``raw`` and ``safe`` digests from its
         manifest ``man``; ``touched``: ``{saltenv: Touched}`` of a walk with
         records (else None), ``gen``: the generation of the records it
-        walked from.  Returns the buckets to save, ``{bucket: part}``.
+        walked from.  ``complete``: called before the whole of ``man`` is
+        read (it holds the paths of the directories listed until then,
+        :class:`Deferred`).  Returns the buckets to save, ``{bucket: part}``.
         """
         self._roots = {env: [r for r in roots if os.path.isdir(r)]
                        for env, roots in (roots_by_env or {}).items()}
@@ -1592,6 +1793,8 @@ class RootsParts:
                 and all(t.complete for t in touched.values())):
             changed = self._cut_buckets(man, touched)
         if changed is None:
+            if complete is not None:
+                complete()
             parts = split(self.cat, man)
             raw = bucket_digests(parts)
             old = self.data.get("digest") or {}

@@ -292,9 +292,9 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
     buckets = {}
-    roots, roots_errors = manifest.read_roots(
+    _roots, roots_errors = manifest.read_roots(
         mopts, categories, state_dir, rescan=rescan,
-        watch=_journal(mopts), buckets=buckets)
+        watch=_journal(mopts), buckets=buckets, manifests=False)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)

@@ -84,7 +84,8 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
     errors, state = [], {}
     journal = watch.client(cache_dir)
     roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                              later=later, watch=journal, buckets=buckets)
+                                              later=later, watch=journal, buckets=buckets,
+                                              manifests=False)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -102,7 +103,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False, saved=No
             read = buckets[cat]
             # the digests describe a peer in step: modes less the bits a
             # sync never writes (the plan warns of those)
-            state[cat] = {"manifest": roots[cat], "parts": read.parts, "digest": read.safe,
+            state[cat] = {"parts": read.parts, "digest": read.safe,
                           "envs": sorted(opts.get(cat) or {}),
                           "previous": read.previous(),
                           "damaged": manifest.damaged_sources(roots_errors[cat])}
@@ -238,7 +239,7 @@ def plan(topology, categories, primary, inv, force):
                                                    damaged=entry.get("damaged"))
             else:
                 cat_ops, rep = replicate.plan_tree(
-                    mine, peer_man, theirs.get("envs"), primary_envs=entry["manifest"],
+                    mine, peer_man, theirs.get("envs"), primary_envs=entry["envs"],
                     damaged=entry.get("damaged"))
         elif cat == "master_keys":
             cat_ops, rep = replicate.plan_master_keys(entry["manifest"], theirs, topology)

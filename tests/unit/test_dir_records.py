@@ -7,6 +7,7 @@ changed; tests/unit/test_watch.py tests the real one, and
 test_read_roots_with_the_real_watcher below ties the two.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -57,6 +58,18 @@ class FakeWatcher:
 def _opts(roots_a, roots_b, ignore_glob=None):
     return {"file_roots": {"base": [str(roots_a), str(roots_b)], "dev": [str(roots_b)]},
             "pillar_roots": {}, "file_ignore_regex": [], "file_ignore_glob": ignore_glob or []}
+
+
+def _one_root_each(a, b):
+    return {"file_roots": {"base": [str(a)], "dev": [str(b)]}, "pillar_roots": {},
+            "file_ignore_regex": [], "file_ignore_glob": ["*.swp"]}
+
+
+def _forty_dirs(root):
+    """``d0`` to ``d39`` in ``root``, a file in each: records in many buckets."""
+    for i in range(40):
+        (root / f"d{i}").mkdir()
+        (root / f"d{i}" / "f.sls").write_text(str(i))
 
 
 def _read(opts, state, watch=None, rescan=False):
@@ -222,36 +235,49 @@ def test_random_changes_read_as_a_full_walk_does(tree, tmp_path):
         assert _read(opts, state, fake) == _full(opts, tmp_path)
 
 
-def _cut(opts, state, watch=None):
-    """The buckets of a read: ``({category: (raw digests, parts, safe digests)}, how cut)``."""
+def _cut(opts, state, watch=None, manifests=True):
+    """
+    The buckets of a read: ``({category: (raw digests, parts, safe digests)}, how cut)``.
+    ``manifests``: False for a read as a sync makes it (no manifest wanted).
+    """
     buckets = {}
-    manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state), watch=watch,
-                        buckets=buckets)
+    mans, _errors = manifest.read_roots(opts, ["file_roots", "pillar_roots"], str(state),
+                                        watch=watch, buckets=buckets, manifests=manifests)
+    if not manifests:
+        assert mans == {"file_roots": None, "pillar_roots": None}
     return ({cat: (got.raw, dict(got.parts), got.safe) for cat, got in buckets.items()},
             {cat: got.cut for cat, got in buckets.items()})
 
 
-@pytest.mark.parametrize("seed", [3, 17, 29])
-def test_random_changes_cut_in_buckets_as_a_full_walk_does(tree, tmp_path, seed):
+@pytest.mark.parametrize("layout", ["overlapping roots", "one root each"])
+@pytest.mark.parametrize("manifests", [True, False], ids=["manifests", "sync's read"])
+@pytest.mark.parametrize("seed", [3, 17])
+def test_random_changes_cut_in_buckets_as_a_full_walk_does(tree, tmp_path, seed, manifests,
+                                                           layout):
     """
     With the journal, only the buckets of the paths of the directories
     listed are cut and digested again (RootsParts): after each round of
     random changes the parts and digests equal those of a full walk, and
-    most rounds cut only buckets.
+    most rounds cut only buckets.  Also for a sync's read, whose
+    manifests are never put together (the files of the directories taken
+    from their records read back only when every bucket is cut again);
+    with two roots serving the same paths (the first wins), and with one
+    root per saltenv.
     """
     a, b = tree
     for i in range(60):  # enough paths for many buckets
         (a / f"many{i % 6}").mkdir(exist_ok=True)
         (a / f"many{i % 6}" / f"f{i}.sls").write_text(str(i))
-    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    opts = _opts(a, b, ["*.swp"]) if layout == "overlapping roots" else _one_root_each(a, b)
+    state = tmp_path / "state"
     fake = FakeWatcher([a, b])
     rng = random.Random(seed)
-    assert _cut(opts, state, fake)[1] == {"file_roots": "all", "pillar_roots": "all"}
+    assert _cut(opts, state, fake, manifests)[1] == {"file_roots": "all", "pillar_roots": "all"}
     cuts = []
     for _ in range(30):
         for _ in range(rng.randint(1, 3)):
             _random_change(rng, a, b, fake)
-        got, how = _cut(opts, state, fake)
+        got, how = _cut(opts, state, fake, manifests)
         assert got == _cut(opts, tmp_path / f"fresh-{rng.random()}")[0]
         cuts.append(how["file_roots"])
     assert cuts.count("buckets") >= 10, cuts
@@ -649,9 +675,7 @@ def test_records_save_their_changed_buckets_and_use_only_their_own_generation(
     from salt_multimaster import fsutil
 
     a, b = tree
-    for i in range(40):
-        (a / f"d{i}").mkdir()
-        (a / f"d{i}" / "f.sls").write_text(str(i))
+    _forty_dirs(a)
     opts, state = _opts(a, b), tmp_path / "state"
     fake = FakeWatcher([a, b])
     _read(opts, state, fake)
@@ -698,3 +722,124 @@ def test_records_of_an_earlier_format_are_not_used(tree, tmp_path, monkeypatch):
     listed.clear()
     assert _read(opts, state, fake) == full
     assert listed == []
+
+
+# ---------------------------------------------------------------------------
+# A sync's read: the buckets only (read_roots(manifests=False)); the files of
+# the directories the watcher vouches for stay in their records (Deferred)
+# ---------------------------------------------------------------------------
+def _records_made(monkeypatch):
+    made = []
+
+    class Recorded(manifest.DirRecords):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(manifest, "DirRecords", Recorded)
+    return made
+
+
+def test_a_sync_s_read_parses_the_records_of_the_listed_directories_only(tree, tmp_path,
+                                                                         monkeypatch):
+    a, b = tree
+    _forty_dirs(a)
+    opts, state = _one_root_each(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _cut(opts, state, fake, manifests=False)
+    _cut(opts, state, fake, manifests=False)
+    (a / "d7" / "f.sls").write_text("changed")
+    fake.touch(a / "d7", "f.sls")
+    made = _records_made(monkeypatch)
+    got, how = _cut(opts, state, fake, manifests=False)
+    assert how["file_roots"] == "buckets"
+    assert got == _cut(opts, tmp_path / "fresh")[0]
+    # every bucket file read and checked, one parsed: d7's (its last listing)
+    assert made[0].reused > 40 and made[0].files.files_read == len(made[0].files.shas) > 1
+    assert made[0].files.parsed == 1
+    # the records saved again are those of the next walk
+    monkeypatch.undo()
+    listed = _count_listings(monkeypatch)
+    assert _cut(opts, state, fake, manifests=False) == (got, how)
+    assert listed == []
+
+
+def test_the_first_root_serving_a_path_wins_whichever_is_listed(tree, tmp_path):
+    """
+    base: [a, b], both serving top/y.sls.  b's top listed while a's is
+    taken from its record: a's y.sls is still served; a's y.sls removed
+    (a's top listed), b's is served, b's top taken from its record.
+    """
+    a, b = tree
+    opts, state = _opts(a, b, ["*.swp"]), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _cut(opts, state, fake, manifests=False)
+    _cut(opts, state, fake, manifests=False)
+    (b / "top" / "y.sls").write_text("b's y, changed")
+    fake.touch(b / "top", "y.sls")
+    got, how = _cut(opts, state, fake, manifests=False)
+    assert how["file_roots"] == "buckets"
+    assert got == _cut(opts, tmp_path / "fresh1")[0]
+    (a / "top" / "y.sls").unlink()
+    fake.touch(a / "top", "y.sls")
+    got, how = _cut(opts, state, fake, manifests=False)
+    assert how["file_roots"] == "buckets"
+    assert got == _cut(opts, tmp_path / "fresh2")[0]
+    base = got["file_roots"][1][manifest.bucket_of("base/top/y.sls")]["base"]
+    assert base["top/y.sls"][2] == manifest.sha256_file(str(b / "top" / "y.sls"))
+
+
+@pytest.mark.parametrize("read", ["manifests", "buckets, all cut again"])
+def test_a_record_that_cannot_be_read_back_lists_every_directory(tree, tmp_path, read):
+    """
+    A bucket file that is the one its index names (its sha256) but holds
+    no records, never written so: the read lists every directory, as
+    without the watcher, and the records go (the next read lists them all
+    and records them again).
+    """
+    a, b = tree
+    opts, state = _one_root_each(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _read(opts, state, fake)
+    _read(opts, state, fake)
+    meta = json.loads((state / manifest.ROOTS_DIRS).read_text())
+    bucket = manifest.bucket_of(os.path.realpath(a / "top"))
+    text = json.dumps({"bucket": "no records"}).encode()
+    (state / manifest.ROOTS_DIRS_BUCKETS / f"{bucket}.json").write_bytes(text)
+    meta["buckets"][bucket] = hashlib.sha256(text).hexdigest()
+    (state / manifest.ROOTS_DIRS).write_text(json.dumps(meta))
+    (a / "x.sls").write_text("changed, the watcher not told")
+    if read == "manifests":
+        assert _read(opts, state, fake) == _full(opts, tmp_path)
+    else:
+        assert not (state / "roots-file_roots.json").exists()  # no saved buckets: all cut
+        assert _cut(opts, state, fake, manifests=False)[0] == _cut(opts, tmp_path / "fresh")[0]
+    assert not (state / manifest.ROOTS_DIRS).exists()
+    assert _read(opts, state, fake) == _full(opts, tmp_path)
+    assert (state / manifest.ROOTS_DIRS).exists()
+
+
+def test_a_sync_s_read_keeps_the_hashes_of_the_directories_it_did_not_list(tree, tmp_path):
+    """
+    A sync's read that opens the hash cache (a changed file past
+    DIRECT_BYTES) drops the entries of files gone, and keeps those of the
+    directories taken from their records, whose files it never put in a
+    manifest.
+    """
+    a, b = tree
+    opts, state = _one_root_each(a, b), tmp_path / "state"
+    fake = FakeWatcher([a, b])
+    _cut(opts, state, fake, manifests=False)  # every file hashed through the cache
+    _cut(opts, state, fake, manifests=False)
+    mid = a / "top" / "mid"
+    (mid / "big.sls").write_bytes(b"b" * (manifest.DIRECT_BYTES + 1))
+    (mid / "z.sls").unlink()
+    fake.touch(mid)
+    got, how = _cut(opts, state, fake, manifests=False)
+    assert how["file_roots"] == "buckets"
+    assert got == _cut(opts, tmp_path / "fresh")[0]
+    held = set(json.loads((state / manifest.ROOTS_HASHCACHE).read_text()))
+    real = os.path.realpath
+    assert {real(a / "x.sls"), real(a / "top" / "y.sls"), real(b / "only-b.sls"),
+            real(mid / "big.sls")} <= held
+    assert real(mid / "z.sls") not in held

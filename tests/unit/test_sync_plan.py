@@ -19,7 +19,7 @@ def _primary(cat, before, now, previous=True):
     if cat == "minion_keys":
         entry.update(snapshot=types.SimpleNamespace(parts=parts))
     else:
-        entry.update(parts=parts, manifest=now)
+        entry.update(parts=parts, envs=sorted(now))
     return {cat: entry}
 
 
