@@ -504,7 +504,10 @@ def _valid_tree_entry(entry):
 
 
 class RecordsLost(Exception):
-    """A directory's record, taken as unchanged, could not be read back (:meth:`DirRecords.entries`)."""
+    """
+    A directory's record, taken as unchanged, could not be read back
+    (:meth:`DirRecords.entries`).
+    """
 
 
 class DirRecords:
@@ -817,8 +820,8 @@ class _Kept:
 
 def _complete(mans, deferred, seen):
     """Put the files :class:`Deferred` left out into each saltenv's manifest of ``mans``."""
-    for env, later in (deferred or {}).items():
-        later.complete(mans[env], seen)
+    for env, left in (deferred or {}).items():
+        left.complete(mans[env], seen)
 
 
 def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None,
@@ -854,8 +857,8 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
         elif not rescan:
             records.use(reply)
     try:
-        return _read_roots(opts, cats, state_dir, later, cache, records, reply, buckets,
-                           manifests)
+        return _read_roots(opts, cats, state_dir, later, cache, ignore, records, reply,
+                           buckets, manifests)
     except RecordsLost as exc:
         # a record with the sha256 its index names that does not parse:
         # never written so; the records go, and every directory is listed
@@ -866,9 +869,9 @@ def read_roots(opts, categories, state_dir, rescan=False, later=None, watch=None
                           buckets=buckets, manifests=manifests)
 
 
-def _read_roots(opts, cats, state_dir, later, cache, records, reply, buckets, manifests):
+def _read_roots(opts, cats, state_dir, later, cache, ignore, records, reply, buckets,
+                manifests):
     """:func:`read_roots` once its watcher is asked (``records``, ``reply``: None without)."""
-    ignore = Ignore.from_opts(opts)
     seen, mans, errors, deferred, saves = [], {}, {}, {}, []
     for cat in cats:
         errors[cat] = []
@@ -901,8 +904,8 @@ def _read_roots(opts, cats, state_dir, later, cache, records, reply, buckets, ma
                             {"session": reply["session"], "seq": reply.get("seq")})
     keep = None
     if len(cats) == 2:
-        keep = _Kept(seen, {real_dir for envs in deferred.values() for later_env in
-                            (envs or {}).values() for real_dir in later_env.real_dirs})
+        keep = _Kept(seen, {real_dir for by_env in deferred.values()
+                            for left in (by_env or {}).values() for real_dir in left.real_dirs})
     fsutil.now_or_later(later, cache.save, keep=keep)
     return mans, errors
 
@@ -1163,8 +1166,9 @@ class BucketFiles:
     (and ``valid(data)``); one lost, torn, stale or altered reads as None.
     What was read stays: :meth:`save` reads the files it replaces first, so
     they are still the answer for the ``shas`` given.  ``files_read``: how
-    many files were read, ``parsed``: how many of them were parsed.  ``durable``: not a cache (the files flushed to
-    disk, as :func:`fsutil.atomic_write` does by default).
+    many files were read, ``parsed``: how many of them were parsed.
+    ``durable``: not a cache (the files flushed to disk, as
+    :func:`fsutil.atomic_write` does by default).
     """
 
     def __init__(self, directory, shas, valid, durable=False):

@@ -26,8 +26,9 @@ class PublishClient(salt.client.LocalClient):
     A ``LocalClient`` of the master whose options are ``mopts``, made as
     Salt 3006 to 3008 make one from ``mopts`` (the other arguments at
     their defaults), less the loaders of :data:`LAZY`: each is built when
-    first read.  ``published``: the jids of its own publishes.  ``tests/unit/test_publish.py`` holds it to the installed
-    Salt's ``LocalClient``, attribute for attribute.
+    first read.  ``published``: the jids of its own publishes.
+    ``tests/unit/test_publish.py`` holds it to the installed Salt's
+    ``LocalClient``, attribute for attribute.
     """
 
     def __init__(self, mopts):  # pylint: disable=super-init-not-called
