@@ -562,6 +562,43 @@ class Bench:
         for peer in peers:
             if not self.cluster.wait_ping(self.primary, peer, deadline=120):
                 raise RuntimeError(f"peer minion {peer} does not answer after the restart")
+        self.settle("restarting " + ", ".join(peers))
+
+    QUIET_BUSY = 0.15  # fraction of all CPUs busy over a window that counts as quiet
+    QUIET_WINDOW = 2.0  # seconds
+    QUIET_WAIT = 120  # seconds at the most
+
+    @staticmethod
+    def _cpu_times():
+        """``(busy, total)`` jiffies of all CPUs since boot (/proc/stat)."""
+        with open("/proc/stat", encoding="ascii") as stat_file:
+            fields = [int(x) for x in stat_file.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        total = sum(fields[:8])  # guest time is already counted in user
+        return total - idle, total
+
+    def settle(self, label):
+        """
+        Wait (up to QUIET_WAIT seconds) until the machine is quiet: less than
+        QUIET_BUSY of its CPUs busy over QUIET_WINDOW seconds.  Restarted
+        masters keep a core busy for a while after they answer (their
+        maintenance process lists every key, the journal engine watches
+        every directory): a sync timed then pays for it.  Records the wait.
+        """
+        start = time.monotonic()
+        while True:
+            busy0, total0 = self._cpu_times()
+            time.sleep(self.QUIET_WINDOW)
+            busy1, total1 = self._cpu_times()
+            busy = (busy1 - busy0) / max(1, total1 - total0)
+            waited = time.monotonic() - start
+            if busy < self.QUIET_BUSY or waited > self.QUIET_WAIT:
+                break
+        self.record(f"settle: seconds until quiet, after {label}", waited, busy=round(busy, 2))
+        if busy >= self.QUIET_BUSY:
+            self.res["notes"].append(
+                f"the machine was still {busy:.0%} busy {waited:.0f}s after {label}: "
+                "the next figures include that load")
 
     def reset_peer(self, index=0):
         """
@@ -707,6 +744,7 @@ class Bench:
                     raise RuntimeError(f"no change journal at {sock}")
                 time.sleep(0.2)
         self.salt_run("multimaster.sync", "peers=" + ",".join(self.peer_ids), check=False)
+        self.settle("restarting every master with the engine")
 
     def run(self):
         if self.args.only == "initial":
