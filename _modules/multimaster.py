@@ -31,12 +31,46 @@ try:
     from salt_multimaster import audit as audit_core
     from salt_multimaster import masters as master_entries
     from salt_multimaster import minion_config as conf_core
-    from salt_multimaster import protocol, restart, validate, watch
+    from salt_multimaster import guard, protocol, restart, validate, watch
     from salt_multimaster.layout import TOPOLOGIES
 
     HAS_CORE = True
 except ImportError:
     HAS_CORE = False
+
+
+# what minion_config_check/_apply take as **settings
+_SETTINGS = tuple(conf_core.SETTINGS) if HAS_CORE else ()
+
+
+def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
+    """How a call with bad arguments is answered (:func:`_public`): Salt's named error."""
+    raise SaltInvocationError(message)
+
+
+def _fail(fun, message, args, kwargs, exc):  # pylint: disable=unused-argument
+    """
+    How a call that failed is answered (:func:`_public`): Salt's named
+    errors ("ERROR: ...", a non-zero exit, no traceback); the function's
+    own (bad input, a command that failed) as they are.
+    """
+    if isinstance(exc, (SaltInvocationError, CommandExecutionError)):
+        raise exc
+    raise CommandExecutionError(message) from None
+
+
+def _public(*extra):
+    """
+    This module's one wrapper of its public functions
+    (:func:`salt_multimaster.guard.public`): ``extra`` names what a
+    function's ``**kwargs`` accepts; any other keyword is answered with
+    every accepted one and the closest match, nothing run; whatever it
+    raises is answered with Salt's named errors.  (Without the core the
+    module does not load: see ``__virtual__``.)
+    """
+    if not HAS_CORE:
+        return lambda func: func
+    return guard.public(__virtualname__, _answer, extra, fail=_fail)
 
 
 def __virtual__():
@@ -49,6 +83,7 @@ def __virtual__():
     )
 
 
+@_public()
 def version():
     """
     Return the version of salt-multimaster and where this module was loaded from.
@@ -95,6 +130,7 @@ def _minion_opts():
     return opts
 
 
+@_public()
 def audit(masters=None, master_finger=None, master_version=None, topology=None, timeout=1):
     """
     Audit this minion's multi-master configuration, changing nothing.
@@ -180,6 +216,7 @@ def audit(masters=None, master_finger=None, master_version=None, topology=None, 
     return ret
 
 
+@_public()
 def minion_config_path(name=None):
     """
     Return the path of the managed minion.d drop-in.
@@ -197,6 +234,7 @@ def minion_config_path(name=None):
     return conf_core.dropin_path(_conf_file(), name)
 
 
+@_public(*_SETTINGS)
 def minion_config_check(masters=None, name=None, **settings):
     """
     Compare the managed drop-in with the wanted master list and HA settings,
@@ -231,6 +269,7 @@ def minion_config_check(masters=None, name=None, **settings):
     return conf_core.check(_conf_file(), masters, settings, name=name, running=__opts__)
 
 
+@_public(*_SETTINGS)
 def minion_config_apply(masters=None, name=None, **settings):
     """
     Write the managed drop-in (temp file in the same folder, fsync, rename)
@@ -265,6 +304,7 @@ def _topology(topology):
     return topology or _pillar().get("topology") or "shared"
 
 
+@_public()
 def master_key_path(name=None, topology=None):
     """
     Return the path of the master key this minion trusts: ``pki_dir``'s
@@ -307,6 +347,7 @@ def _key_args(name, contents, source, master_finger, topology, saltenv):
     }
 
 
+@_public()
 def master_key_check(
     name=None, contents=None, source=None, master_finger=None, topology=None, saltenv="base"
 ):
@@ -345,6 +386,7 @@ def master_key_check(
     )
 
 
+@_public()
 def master_key_apply(
     name=None, contents=None, source=None, master_finger=None, topology=None, saltenv="base"
 ):
@@ -394,6 +436,7 @@ def _service_available(service):
         return None
 
 
+@_public()
 def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     """
     Restart this minion in the background once the current job has returned,
@@ -412,7 +455,9 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
 
     cmd
         The command to run; default pillar ``multimaster:minion_restart_cmd``
-        (salt-minion only), else ``salt-call --local service.restart <service>``.
+        for the salt-minion, the minion option ``multimaster.master_restart_cmd``
+        for the salt-master (the one setting every restart of this host's
+        master reads), else ``salt-call --local service.restart <service>``.
 
     delay
         Seconds to wait after the job exited; default pillar
@@ -444,6 +489,8 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
         cmd = cmd or pillar.get("minion_restart_cmd")
         if delay is None:
             delay = pillar.get("minion_restart_delay")
+    else:
+        cmd = cmd or __opts__.get(restart.MASTER_CMD_OPTION)
     cmd = cmd or restart.default_cmd(service)
     if not isinstance(cmd, str) or not cmd.strip():
         raise SaltInvocationError(f"cmd must be a non-empty command string, not {cmd!r}")
@@ -466,6 +513,7 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     return ret
 
 
+@_public()
 def pull_config(master_config=None):
     """
     The ``peer_run`` option that lets each peer of a primary master pull the
@@ -495,6 +543,7 @@ def pull_config(master_config=None):
     return protocol.peer_run_config(peers)
 
 
+@_public()
 def engines_config(master_config=None, dropin="multimaster-reactor.conf"):
     """
     The ``engines`` option the ``salt.multimaster.master`` drop-in writes to

@@ -26,8 +26,10 @@ import salt.fileclient
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import (backup, daemon, fsutil, layout, membership, peer, protocol,
-                                  replicate, restart, rotation, seal, validate)
+    from salt_multimaster import (backup, daemon, fsutil, guard, layout, membership, peer,
+                                  protocol, replicate, restart, rotation, seal, statefile,
+                                  validate)
+    from salt_multimaster import epoch as fencing
 
     HAS_CORE = True
 except ImportError:
@@ -61,6 +63,8 @@ def __virtual__():
 
 def _master_opts():
     path = _master_config_path()
+    # the drop-in a sync writes, damaged: moved aside, written again by the sync
+    peer.dropin_damaged(path, _state_dir())
     try:
         return salt.config.master_config(path)
     except Exception as exc:  # pylint: disable=broad-except
@@ -114,8 +118,59 @@ def _refused(fun, exc):
     return {"result": False, "error": f"{fun}: {exc}"}
 
 
+def _fenced(fun, mopts, sealed, claim):
+    """
+    The refusal of a request (sealed: from a primary's runner) of a primary
+    this master was promoted away from (:func:`salt_multimaster.epoch.fence`,
+    which records a newer epoch), else None.
+    """
+    if sealed is None:
+        return None  # an operator's own call
+    try:
+        fencing.fence(layout.state_dir(mopts), claim, __opts__["id"])
+    except fencing.Fenced as exc:
+        log.error("multimaster: %s refused: %s", fun, exc)
+        __context__["retcode"] = 1
+        return _reply({"result": False, "error": str(exc)})
+    return None
+
+
+def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
+    """
+    How a call with bad arguments, or one that failed, is answered
+    (:func:`_public`): a named error, ``result: False``, a non-zero exit.
+    """
+    __context__["retcode"] = 1
+    return _reply({"result": False, "error": message})
+
+
+def _reply(ret):
+    """A reply to the primary (its protocol), with the damaged state files rebuilt meanwhile."""
+    rebuilt = statefile.noticed()
+    if rebuilt and isinstance(ret, dict):
+        ret["rebuilt"] = rebuilt
+        if isinstance(ret.get("inventory"), dict):  # what the primary plans from
+            ret["inventory"]["rebuilt"] = rebuilt
+    return protocol.reply(ret)
+
+
+def _public(*extra):
+    """
+    This module's one wrapper of its public functions
+    (:func:`salt_multimaster.guard.public`): any keyword a function does not
+    take is answered with every accepted one and the closest match
+    (``result: False``), nothing run; whatever it raises is answered as a
+    named error, never Salt's traceback.  (Without the core the module does
+    not load: see ``__virtual__``.)
+    """
+    if not HAS_CORE:
+        return lambda func: func
+    return guard.public(__virtualname__, _answer, extra)
+
+
+@_public()
 def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
-              rescan=False, minion_ids=None, sealed=None):
+              rescan=False, minion_ids=None, sealed=None, epoch=None):
     """
     Report what this peer master holds, for the categories asked; change
     nothing.
@@ -138,7 +193,8 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     """
     args = _request("inventory", sealed, {
         "categories": categories, "digests": digests, "topology": topology,
-        "config_keys": config_keys, "test": test, "rescan": rescan, "minion_ids": minion_ids})
+        "config_keys": config_keys, "test": test, "rescan": rescan, "minion_ids": minion_ids,
+        "epoch": epoch})
     categories = args["categories"] or list(replicate.CATEGORIES)
     digests = args["digests"] or {}
     try:
@@ -153,8 +209,11 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
         if args["minion_ids"] is not None:
             ids = validate.minion_ids(args["minion_ids"])
     except validate.InvalidInput as exc:
-        return protocol.reply(_refused("multimaster_peer.inventory", exc))
+        return _reply(_refused("multimaster_peer.inventory", exc))
     mopts = _master_opts()
+    refused = _fenced("multimaster_peer.inventory", mopts, sealed, args["epoch"])
+    if refused:
+        return refused
     started = time.monotonic()
     try:
         with peer.locked(_state_dir()):
@@ -164,10 +223,11 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
                 ret = peer.inventory(mopts, _state_dir(), categories, digests,
                                      args["topology"], args["config_keys"],
                                      rescan=args["rescan"])
+                ret["master_restart"] = _restart_master().describe(__opts__["id"])
     except peer.PeerError as exc:
         raise CommandExecutionError(str(exc)) from None
     log.debug("multimaster: inventory in %.3f s", time.monotonic() - started)
-    return protocol.reply(ret)
+    return _reply(ret)
 
 
 def _fetch(ops):
@@ -208,30 +268,37 @@ def _pull(request):
         raise peer.PeerError(f"pull from the primary failed: {exc}") from exc
 
 
+def _service_available():
+    """Whether this host's service manager knows salt-master (None: cannot tell)."""
+    if "service.available" not in __salt__:
+        return False  # no service module loaded: no service manager here
+    try:
+        return bool(__salt__["service.available"]("salt-master"))
+    except Exception:  # pylint: disable=broad-except
+        log.debug("multimaster: service.available(salt-master) failed", exc_info=True)
+        return None
+
+
 def _restart_master(cmd=None):
     """
-    Restart the local salt-master in the background with the one restart
-    helper (:mod:`salt_multimaster.restart`): with ``cmd`` (a rotation's
-    ``restart_cmd``), else through the service manager when it knows the
-    salt-master; otherwise say a restart is required.
+    How the local salt-master restarts (:class:`salt_multimaster.restart.MasterRestart`):
+    ``cmd`` (a rotation's ``restart_cmd``), else the minion option
+    ``multimaster.master_restart_cmd``, else the service manager.  Calling
+    it marks the restart (the running master keeps the old keys/config
+    until it restarts: the next inventory says ``restart_pending`` until
+    then) and starts it in the background.
     """
-    # the running master keeps the old keys/config until it restarts: the
-    # next inventory says so (restart_pending) until then
-    daemon.mark_restart(_master_opts(), os.path.join(_state_dir(), daemon.RESTART_MARKER))
-    available = None
-    if not cmd:
-        cmd = restart.default_cmd("salt-master")
-        available = ("service.available" in __salt__
-                     and bool(__salt__["service.available"]("salt-master")))
-    if restart.impossible(cmd, "salt-master", service_available=available) is None:
-        restart.schedule(__opts__, restart.salt_run_bg(__salt__), cmd, delay=1,
-                         service="salt-master")
-        return "restarting"
-    return "restart_required"
+    return restart.MasterRestart(
+        __opts__,
+        lambda: daemon.mark_restart(_master_opts(),
+                                    os.path.join(_state_dir(), daemon.RESTART_MARKER)),
+        restart.salt_run_bg(__salt__), _service_available, cmd=cmd)
 
 
+@_public()
 def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None,
-          backup_keep=10, keys_digest=None, expect=None, config_keys=None):
+          backup_keep=10, keys_digest=None, expect=None, config_keys=None, confirm=None,
+          epoch=None):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -244,6 +311,8 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
     which ids this peer holds from it.  ``expect``: apply only if this peer
     holds what these digests say (a change sync in one round trip), else
     answer with the inventory (``config_keys``: its replicated options).
+    ``confirm``: the primary's digests of the roots and options, to record
+    what this peer holds in step with it (the base of the next sync).
 
     CLI Example:
 
@@ -254,21 +323,33 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
     args = _request("apply", sealed, {"ops": ops, "topology": topology,
                                       "pull_token": pull_token, "pull_chunks": pull_chunks,
                                       "backup_keep": backup_keep, "keys_digest": keys_digest,
-                                      "expect": expect, "config_keys": config_keys})
+                                      "expect": expect, "config_keys": config_keys,
+                                      "confirm": confirm, "epoch": epoch})
+    mopts = _master_opts()
+    refused = _fenced("multimaster_peer.apply", mopts, sealed, args["epoch"])
+    if refused:
+        return refused
+    master_restart = _restart_master()
     try:
-        ret = peer.apply(_master_opts(), _state_dir(), args["ops"], args["topology"],
-                         args["backup_keep"], _unseal, _fetch, _restart_master, pull=_pull,
+        ret = peer.apply(mopts, _state_dir(), args["ops"], args["topology"],
+                         args["backup_keep"], _unseal, _fetch, master_restart, pull=_pull,
                          pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
                          keys_digest=args["keys_digest"], expect=args["expect"],
-                         config_keys=args["config_keys"], after=_after_return)
+                         config_keys=args["config_keys"], after=_after_return,
+                         confirm=args["confirm"])
     except validate.InvalidInput as exc:
-        return protocol.reply(_refused("multimaster_peer.apply", exc))
+        return _reply(_refused("multimaster_peer.apply", exc))
     except (peer.PeerError, protocol.ProtocolError) as exc:
         raise CommandExecutionError(str(exc)) from None
-    return protocol.reply(ret)
+    # a master still running older keys or config: how its restart went
+    for held in (ret, ret.get("inventory")):
+        if isinstance(held, dict) and held.get("restart_pending"):
+            held["master_restart"] = master_restart.describe(__opts__["id"])
+    return _reply(ret)
 
 
-def restore(backup_name=None, test=False, sealed=None):
+@_public()
+def restore(backup_name=None, test=False, sealed=None, epoch=None):
     """
     Put back on this peer what a sync replaced or removed: every file of the
     backup ``backup_name`` (a timestamp under
@@ -282,19 +363,56 @@ def restore(backup_name=None, test=False, sealed=None):
 
         salt-run multimaster.restore peer=master02 test=True
     """
-    args = _request("restore", sealed, {"backup_name": backup_name, "test": test})
+    args = _request("restore", sealed, {"backup_name": backup_name, "test": test,
+                                        "epoch": epoch})
+    mopts = _master_opts()
+    refused = _fenced("multimaster_peer.restore", mopts, sealed, args["epoch"])
+    if refused:
+        return refused
     try:
-        ret = peer.restore(_master_opts(), _state_dir(), args["backup_name"], args["test"],
-                           _restart_master)
+        ret = peer.restore(mopts, _state_dir(), args["backup_name"], args["test"],
+                           _restart_master())
     except peer.PeerError as exc:
         raise CommandExecutionError(str(exc)) from None
-    return protocol.reply(ret)
+    return _reply(ret)
+
+
+@_public()
+def collect(items=None, reply_to=None, reply_pub=None, sealed=None, epoch=None):
+    """
+    The contents of ``items`` (minion keys and roots files, named as
+    ``minion_keys/<state>/<id>`` and ``<file_roots|pillar_roots>/<saltenv>/<path>``),
+    each sealed to ``reply_pub`` (the primary's master public key) for
+    ``reply_to`` (its id): what ``salt-run multimaster.failback`` carries
+    from this peer to the primary.  Reads only inside this master's pki_dir
+    and roots; changes nothing.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.failback peer=master02 test=True
+    """
+    args = _request("collect", sealed, {"items": items, "reply_to": reply_to,
+                                        "reply_pub": reply_pub, "epoch": epoch})
+    if (not isinstance(args["items"], list) or not all(isinstance(i, str) for i in args["items"])
+            or not isinstance(args["reply_to"], str) or not isinstance(args["reply_pub"], str)):
+        return _reply(_refused("multimaster_peer.collect",
+                                "items (a list of item names), reply_to and reply_pub "
+                                "are required"))
+    mopts = _master_opts()
+    refused = _fenced("multimaster_peer.collect", mopts, sealed, args["epoch"])
+    if refused:
+        return refused
+    ret = peer.collect(mopts, args["items"], args["reply_to"], args["reply_pub"])
+    return _reply(ret)
 
 
 # ---------------------------------------------------------------------------
 # Membership (salt-run multimaster.add_peer / remove_peer): the new peer
 # host's check.  Logic in salt_multimaster.membership.
 # ---------------------------------------------------------------------------
+@_public()
 def host_check(topology="shared"):
     """
     Report, changing nothing, whether this host can become a peer master:
@@ -313,7 +431,48 @@ def host_check(topology="shared"):
     if topology not in layout.TOPOLOGIES:
         return _refused("multimaster_peer.host_check",
                         f"unknown topology {topology!r} (known: {', '.join(layout.TOPOLOGIES)})")
-    return membership.host_report(_master_opts(), __grains__, topology)
+    ret = membership.host_report(_master_opts(), __grains__, topology)
+    ret["master_restart"] = _restart_master().describe(__opts__["id"])
+    return ret
+
+
+@_public()
+def restart_master(test=False):
+    """
+    Restart (or start, when it is stopped) this host's salt-master in the
+    background once this job has returned, the way every step of
+    salt-multimaster does (a sync of new master keys or options, a restore,
+    a key rotation): the minion option ``multimaster.master_restart_cmd``,
+    else the service manager.  ``salt-run multimaster.add_peer`` starts a
+    new peer's salt-master with it.  A configured command whose program is
+    not installed here is refused (``result: False``).
+
+    test
+        Only say what would happen.
+
+    Returns ``{"result", "restart", "cmd"}``; ``restart`` is
+    ``restarting`` (``would restart``), or ``restart_required`` when
+    nothing here can restart it (no service manager knows salt-master and
+    no command is configured).
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt master02 multimaster_peer.restart_master test=True
+    """
+    master_restart = _restart_master()
+    if master_restart.refused:
+        return _refused("multimaster_peer.restart_master",
+                        master_restart.why_refused(__opts__["id"]))
+    if validate.boolean("test", test):
+        return {"result": True, "restart": master_restart.predict(), "cmd": master_restart.cmd}
+    how = master_restart()
+    ret = {"result": how == "restarting", "restart": how, "cmd": master_restart.cmd}
+    if how != "restarting":
+        ret["error"] = ("nothing here can restart the salt-master: no service manager knows "
+                        "it and the minion option multimaster.master_restart_cmd is not set")
+    return ret
 
 
 # ---------------------------------------------------------------------------
@@ -321,6 +480,7 @@ def host_check(topology="shared"):
 # Everything below this line belongs to the rotation; the logic lives in
 # salt_multimaster.rotation.
 # ---------------------------------------------------------------------------
+@_public()
 def rotate_key(topology="signed", keypair=None, restart_only=False, restart_cmd=None,
                test=False, backup_keep=10, sealed=None):
     """
@@ -340,8 +500,10 @@ def rotate_key(topology="signed", keypair=None, restart_only=False, restart_cmd=
         Write nothing; restart the master (a re-run after a restart that did
         not happen).
     restart_cmd
-        The command restarting the salt-master (default: systemd where it
-        runs it, else the restart is reported ``restart_required``).
+        The command restarting the salt-master (default: the minion option
+        ``multimaster.master_restart_cmd``, else the service manager, else
+        the restart is reported ``restart_required``).  A command whose
+        program is not installed here is refused before anything is written.
     test
         Change nothing; say what would happen.
 
@@ -367,13 +529,17 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
     reason = rotation.unsupported(mopts, topology)
     if reason:
         return _refused("multimaster_peer.rotate_key", reason)
-    if restart_cmd is not None and (not isinstance(restart_cmd, str) or not restart_cmd.strip()):
+    if restart_cmd is not None and not isinstance(restart_cmd, str):
         return _refused("multimaster_peer.rotate_key",
                         f"restart_cmd must be a command string, not {restart_cmd!r}")
+    master_restart = _restart_master(restart_cmd)
+    if master_restart.refused:
+        return _refused("multimaster_peer.rotate_key",
+                        f"no new key: {master_restart.why_refused(__opts__['id'])}")
     ret = {"result": True, "old": rotation.current_finger(mopts), "new": None, "backup": None,
            "restart": None}
     if test:
-        ret["restart"] = "would restart"
+        ret["restart"] = master_restart.predict()
         return ret
     if not restart_only:
         try:
@@ -396,7 +562,7 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
             log.warning("multimaster: old backups not pruned: %s", exc)
     else:
         ret["new"] = ret["old"]
-    ret["restart"] = _restart_master(restart_cmd)
+    ret["restart"] = master_restart()
     log.info("multimaster: master key rotated (%s -> %s), restart: %s",
              ret["old"], ret["new"], ret["restart"])
     return ret

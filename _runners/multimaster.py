@@ -43,15 +43,24 @@ log = logging.getLogger(__name__)
 __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
-_CORE = {name: name for name in ("daemon", "finger", "fleet", "jobs", "layout", "lock", "manifest",
-                                 "membership", "protocol", "publish", "replicate", "report",
-                                 "rotation", "rounds", "validate")}
+_CORE = {name: name for name in ("daemon", "finger", "fleet", "guard", "jobs", "layout",
+                                 "lock", "manifest", "membership", "outage", "protocol", "publish",
+                                 "replicate", "report", "restart", "revocation", "rotation",
+                                 "rounds", "seal", "validate")}
 _CORE["sync_core"] = "sync"
+_CORE["failback_core"] = "failback"
+_CORE["promote_core"] = "promote"
+_CORE["epochs"] = "epoch"
 
 try:
     import salt_multimaster
-    from salt_multimaster import (daemon, finger, fleet, jobs, layout, lock, manifest, membership,
-                                  protocol, publish, replicate, report, rotation, rounds, validate)
+    from salt_multimaster import (daemon, finger, fleet, guard, jobs, layout, lock,
+                                  manifest, membership, outage, protocol, publish, replicate,
+                                  report, restart, revocation, rotation, rounds, seal, validate)
+    # the public functions failback() and promote() take the modules' names
+    from salt_multimaster import epoch as epochs
+    from salt_multimaster import failback as failback_core
+    from salt_multimaster import promote as promote_core
     # the public function sync() takes the module's name
     from salt_multimaster import sync as sync_core
 
@@ -79,9 +88,40 @@ def _load_core():
         for name, module in _CORE.items():
             globals()[name] = importlib.import_module(f"salt_multimaster.{module}")
         HAS_CORE = True
+        for name, extra in _UNGUARDED.items():  # imported before the core was
+            globals()[name] = _public(*extra)(globals()[name])
+        _UNGUARDED.clear()
     except Exception as exc:  # pylint: disable=broad-except
         log.debug("multimaster: core not importable: %s", exc)
     return HAS_CORE
+
+
+# The public functions imported before the core was (the file_roots
+# install, its first load): wrapped by _load_core, before Salt collects them.
+_UNGUARDED = {}
+
+
+def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
+    """How a call with bad arguments, or one that failed, is answered (:func:`_public`)."""
+    return _invalid(message)
+
+
+def _public(*extra):
+    """
+    This runner's one wrapper of its public functions
+    (:func:`salt_multimaster.guard.public`): ``extra`` names what a
+    function's ``**kwargs`` accepts; any other keyword is answered with
+    every accepted one and the closest match, nothing run; whatever it
+    raises is answered as a named error (``result: False``, ``retcode``).
+    """
+
+    def decorate(func):
+        if not HAS_CORE:
+            _UNGUARDED[func.__name__] = extra
+            return func
+        return guard.public(__virtualname__, _answer, extra)(func)
+
+    return decorate
 
 
 def __virtual__():
@@ -95,6 +135,7 @@ def __virtual__():
     )
 
 
+@_public()
 def version():
     """
     Return the version of salt-multimaster and where this runner was loaded from.
@@ -153,6 +194,8 @@ def _conf(kwargs):
     _valid(validate.peers, conf["peers"], configured)
     _valid(validate.config_keys, conf["master_config_keys"])
     conf["rescan"] = _valid(validate.boolean, "rescan", kwargs.get("rescan"))
+    # every peer configured: what this primary's epoch claim names (epoch.claim)
+    conf["configured_peers"] = configured
     return conf
 
 
@@ -169,8 +212,8 @@ def _timeout(value):
     return int(math.ceil(_valid(validate.timeout, "timeout", value)))
 
 
-def _checked_args(fun, kwargs, minion_ids=None, only=None):
-    validate.known_kwargs(kwargs, _CONF_KWARGS, fun)
+def _checked_args(minion_ids=None, only=None):
+    """``only`` and ``minion_ids`` not empty when given (the keywords: :func:`_public`)."""
     if only is not None and not _as_list(only):
         raise validate.InvalidInput(
             f"only is empty ({only!r}): name the categories to sync, or leave only out")
@@ -386,7 +429,7 @@ class _Salt:
 
 def _sync(job, peers, only, test, force, minion_ids, **kwargs):
     try:
-        _valid(_checked_args, "multimaster.sync", kwargs, minion_ids, only)
+        _valid(_checked_args, minion_ids, only)
         test = _valid(validate.boolean, "test", test)
         force = _valid(validate.boolean, "force", force)
         conf = _conf(dict(kwargs, peers=peers))
@@ -407,16 +450,20 @@ def _sync(job, peers, only, test, force, minion_ids, **kwargs):
             ids = []
     if error:
         return _invalid(error)
-    categories = only or conf["replicate"]
+    ret = _run_rounds(job, conf, only or conf["replicate"], test, force, ids)
+    if not all(r["result"] for r in ret.values()):
+        __context__["retcode"] = 1
+        ret["retcode"] = 1
+    return ret
 
+
+def _run_rounds(job, conf, categories, test=False, force=False, ids=None):
+    """``{peer: report}`` of a sync of every peer of ``conf`` (checked input)."""
     bad = sync_core.peer_errors(__opts__, conf["peers"])
     ret = {peer: {"result": False, "error": message} for peer, message in bad.items()}
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
         ret.update(rounds.Rounds(__opts__, conf, job, test, force).run(peers, categories, ids))
-    if not all(r["result"] for r in ret.values()):
-        __context__["retcode"] = 1
-        ret["retcode"] = 1
     return ret
 
 
@@ -460,6 +507,7 @@ def _truthy(value):
     return bool(value) and str(value).lower() not in ("false", "0", "no")
 
 
+@_public(*_CONF_KWARGS, "lock_wait")
 def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbose=False,
          **kwargs):
     """
@@ -591,6 +639,7 @@ def _sync_lock(wait=None, jid=None):
         held.release()
 
 
+@_public()
 def pull(request):
     """
     Serve a peer what it pulls during a sync: the operations of its sync and
@@ -629,6 +678,7 @@ def _pull(request, caller, jid):
     return {"outputter": "no_return", "data": served}
 
 
+@_public("timeout")
 def restore(peer=None, backup=None, test=False, **kwargs):
     """
     Roll a peer back: put back every file a sync replaced or removed there,
@@ -655,8 +705,6 @@ def restore(peer=None, backup=None, test=False, **kwargs):
         salt-run multimaster.restore peer=master02 backup=20261123T221500.123456Z
     """
     try:
-        _valid(_checked_args, "multimaster.restore", {k: v for k, v in kwargs.items()
-                                                      if k != "timeout"})
         test = _valid(validate.boolean, "test", test)
         if len(_as_list(peer)) != 1:
             raise SaltInvocationError("restore takes one peer: peer=<id of multimaster:peers>")
@@ -681,6 +729,7 @@ def restore(peer=None, backup=None, test=False, **kwargs):
     return ret
 
 
+@_public(*_CONF_KWARGS)
 def status(peers=None, verbose=False, **kwargs):
     """
     Report, per peer, how far it is from the primary; change nothing.
@@ -715,7 +764,6 @@ def status(peers=None, verbose=False, **kwargs):
 
 def _status(job, peers, **kwargs):
     try:
-        _valid(_checked_args, "multimaster.status", kwargs)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -762,6 +810,7 @@ def _audit_default_output():
     return not __opts__.get("output")
 
 
+@_public()
 def audit(
     tgt="*",
     tgt_type="glob",
@@ -895,7 +944,6 @@ def _member_run(fun, steps, peer, kwargs, **args):
             if flag in args:
                 args[flag] = _valid(validate.boolean, flag, args[flag])
         args["timeout"] = _timeout(kwargs.get("timeout") or 30)
-        _valid(validate.known_kwargs, kwargs, _MEMBERSHIP_KWARGS, fun)
         salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
                                       cached_pillars=_member_pillars, sync=sync)
         ret = steps(salt_ops, peer, **args)
@@ -908,6 +956,7 @@ def _member_run(fun, steps, peer, kwargs, **args):
     return {"outputter": "txt", "data": membership.report_rows(ret)}
 
 
+@_public(*_MEMBERSHIP_KWARGS)
 def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kwargs):
     """
     Make ``peer``, the new master host's accepted salt-minion, a peer master
@@ -932,6 +981,7 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
                        address=address, test=test, tgt=tgt, tgt_type=tgt_type)
 
 
+@_public(*_MEMBERSHIP_KWARGS)
 def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_type="glob",
                 **kwargs):
     """
@@ -1006,17 +1056,20 @@ def _rot_reconnect_events():
 def _rot_salt():
     """What the rotation asks of Salt on this master (``rotation.SaltOps``)."""
     state_dir = layout.state_dir(__opts__)
+    started = []
     return rotation.SaltOps(
         __opts__, call_peer=_rot_call_peer, minions=_rot_minions,
         status=lambda peers, topology: status(peers=",".join(peers), topology=topology,
                                               replicate="master_keys"),
         restart_primary=lambda cmd: rotation.restart_primary(
-            __opts__, cmd, not cmd and salt.utils.systemd.booted({})),
+            __opts__, cmd, not cmd and salt.utils.systemd.booted({}), started.append),
+        restart_failed=lambda: rotation.command_failure(started[-1] if started else None),
         primary_serving=lambda: rotation.serving(
             __opts__, os.path.join(state_dir, daemon.RESTART_MARKER)),
         reconnect_events=_rot_reconnect_events)
 
 
+@_public()
 def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_type="glob",
                restart_cmd=None, restart_wait=120, verify_wait=60, timeout=15):
     """
@@ -1052,10 +1105,14 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
         The minions to tell (shared) and audit; default every minion.
     restart_cmd
         How a master restarts (run on its host); default
-        ``multimaster:master_restart_cmd``, else systemd where it runs the
-        master, else the run stops with ``restart_required`` and the remedy.
+        ``multimaster:master_restart_cmd``, else on a peer host its minion
+        option ``multimaster.master_restart_cmd``, else the service manager
+        (systemd on this primary), else the run stops with
+        ``restart_required`` and the remedy.  A command whose program is
+        not installed is refused before that master's key is written.
     restart_wait
-        Seconds to wait for a restarted master to serve its new key.
+        Seconds to wait for a restarted master to serve its new key (the
+        primary's restart command exiting non-zero ends the wait at once).
     verify_wait
         Seconds to wait for minions to reconnect before they are listed.
     timeout
@@ -1087,6 +1144,11 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
         return _rot_invalid(f"multimaster.rotate_key: {__opts__['id']}: {reason}")
     if restart_cmd is not None and not isinstance(restart_cmd, str):
         return _rot_invalid(f"multimaster.rotate_key: restart_cmd must be a command, not {restart_cmd!r}")
+    # the same command restarts this primary last: refused before any master is touched
+    why = restart.impossible(restart_cmd, "salt-master", runs="salt-master") \
+        if restart_cmd else None
+    if why:
+        return _rot_invalid(f"multimaster.rotate_key: {__opts__['id']}: {why}")
     if not conf_peers:
         return _rot_invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass peers=")
     rot = rotation.Rotation(_rot_salt(), topology, conf_peers, restart_cmd, tgt, tgt_type, **waits)
@@ -1100,4 +1162,163 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
             return _rot_invalid(f"multimaster.rotate_key: {exc}")
     if not ret["result"]:
         ret["retcode"] = 1
+    return ret
+
+
+# ---------------------------------------------------------------------------
+# The outage (salt-run multimaster.failback): the Salt side of the steps in
+# salt_multimaster.failback.
+# ---------------------------------------------------------------------------
+def _out_collect(peer, items, timeout):
+    """``(reply, error)`` of ``multimaster_peer.collect``: contents sealed to this master's key."""
+    with open(layout.master_key_files(__opts__, "shared")[1], encoding="utf-8") as fh:
+        reply_pub = fh.read()
+    conf = _conf({})
+    request = protocol.request("multimaster_peer.collect", items=items,
+                               reply_to=__opts__["id"], reply_pub=reply_pub,
+                               epoch=epochs.claim(__opts__, conf["peers"], conf["topology"]))
+    return _Job([peer], "multimaster_peer.collect", request, timeout).replies()[peer]
+
+
+def _out_unseal(blob, purpose):
+    """Open what a peer sealed to this master's own key."""
+    with open(layout.master_key_files(__opts__, "shared")[0], "rb") as fh:
+        return seal.unseal(fh.read(), blob, __opts__["id"], purpose)
+
+
+@_public("lock_wait")
+def failback(peer=None, test=False, keep=None, verbose=False, **kwargs):
+    """
+    Carry to this primary what was changed on ``peer`` since its last sync
+    (the primary down: keys accepted, rejected or deleted there, files of
+    its roots edited, added or removed), then sync every peer, so that all
+    masters agree and a plain ``multimaster.sync`` is clean again.
+
+    The changes come from the peer sealed to this master's key and are
+    written here as a sync writes a peer: validated, each checked against
+    its sha256, confined to this master's pki_dir and roots, staged, what
+    they replace or remove backed up in ``<cachedir>/multimaster/backup``.
+    A key that leaves ``minions/`` makes this master rotate its AES session
+    key, as ``salt-key -r/-d`` does.  Options the peer changed in its
+    ``multimaster-sync.conf`` are named, not carried: set them in this
+    master's config, or ``keep`` them.  Every step is reported; a second
+    run finds nothing left to carry; an interrupted run converges when run
+    again.
+
+    peer
+        One peer of ``multimaster:peers``.
+    test
+        Show what the peer changed and what would be carried; change nothing.
+    keep
+        ``primary`` to keep this master's side of every item (as a sync with
+        ``force=True`` of that peer), or the items to keep it for, named as
+        ``test=True`` shows them: a minion id, ``<saltenv>:<path>``, an
+        option, or a category (``minion_keys``, ``file_roots``,
+        ``pillar_roots``, ``master_config``).
+    lock_wait
+        Seconds to wait for a running sync (default 60).
+    verbose
+        In the compact report, list every name.
+
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.failback peer=master02 test=True
+        salt-run multimaster.failback peer=master02
+        salt-run multimaster.failback peer=master02 keep=web09,base:app/init.sls
+    """
+    with _job_record("multimaster.failback", __opts__.get("id"), peer=peer,
+                     test=test or None, keep=keep, **kwargs) as (jid, event):
+        job = _Salt(event)
+        try:
+            ret = _failback(job, jid, peer, test, keep, **kwargs)
+        finally:
+            job.close()
+    if ret.get("retcode"):
+        __context__["retcode"] = ret["retcode"]
+    if _compact("multimaster.failback"):
+        return {"outputter": "txt", "data": report.failback_rows(ret, _truthy(verbose))}
+    return ret
+
+
+def _failback(job, jid, peer, test, keep, **kwargs):
+    lock_wait = kwargs.pop("lock_wait", None)
+    try:
+        test = _valid(validate.boolean, "test", test)
+        if len(_as_list(peer)) != 1:
+            raise SaltInvocationError("failback takes one peer: peer=<id of multimaster:peers>")
+        conf = _conf(kwargs)
+        _valid(validate.peers, _as_list(peer), conf["peers"])
+        membership.as_list(keep)
+    except (SaltInvocationError, membership.MembershipError) as exc:
+        return _invalid(f"multimaster.failback: {exc}")
+    peer = _as_list(peer)[0]
+    error = _validate(conf, [])
+    bad = sync_core.peer_errors(__opts__, [peer])
+    if error or bad:
+        return _invalid(error or bad[peer])
+    salt_ops = failback_core.SaltOps(
+        __opts__, conf, job, collect=_out_collect, unseal=_out_unseal,
+        rotate_aes=lambda: revocation.request_rotation(__opts__),
+        sync_all=lambda: _run_rounds(job, conf, conf["replicate"]))
+    try:
+        if test:
+            return failback_core.failback(salt_ops, peer, True, keep)
+        with _sync_lock(lock_wait, jid) as busy:
+            if busy:
+                return busy
+            sync_core.sweep_grants(__opts__, _Salt.jid_dir)
+            return failback_core.failback(salt_ops, peer, False, keep)
+    except outage.FailbackError as exc:
+        return _invalid(f"multimaster.failback: {exc}")
+
+
+@_public()
+def promote(peers=None, test=False, address=None, tgt="*", tgt_type="glob", verbose=False,
+            **kwargs):
+    """
+    Make this peer master the primary, when the primary is gone for good:
+    its epoch record takes the next epoch with this master as the primary
+    and the old one retired; the old primary's other peers become this
+    master's ``multimaster:peers`` (``master.d/multimaster-peers.conf``) and
+    are synced, so they record the new epoch.  From then on every master
+    that knows it refuses a sync from the old primary: ``this master was
+    promoted away from <old> at epoch N: run multimaster.failback on <new>
+    instead``.  The minions whose config or cached pillar still list the
+    old primary are named, with the pillar and top file changes for the
+    formula (``multimaster:masters``, the new primary first).  A second
+    run changes nothing and syncs the peers again.
+
+    Run it on the peer to promote, with the old primary stopped for good.
+
+    peers
+        This master's peers (default: the old primary's, less this host).
+    test
+        Show the plan; change nothing.
+    address
+        How minions name the old primary (default: as its syncs said).
+    tgt, tgt_type
+        The minions whose master list is checked (default every minion).
+    CLI Example:
+
+    .. code-block:: bash
+
+        salt-run multimaster.promote test=True
+        salt-run multimaster.promote
+    """
+    try:
+        test = _valid(validate.boolean, "test", test)
+        salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
+                                      cached_pillars=_member_pillars, sync=sync)
+        ret = promote_core.promote(salt_ops, test, None if peers is None else _as_list(peers),
+                                   address, tgt, tgt_type)
+    except (SaltInvocationError, promote_core.PromoteError, membership.MembershipError) as exc:
+        ret = _invalid(f"multimaster.promote: {exc}")
+    if ret.get("retcode"):
+        __context__["retcode"] = ret["retcode"]
+    if _compact("multimaster.promote"):
+        return {"outputter": "txt",
+                "data": report.steps_rows(ret, f"{__opts__['id']} (epoch {ret.get('epoch')})",
+                                          _truthy(verbose))}
     return ret

@@ -9,10 +9,11 @@ denied.  Each event's minion id is queued; at most one sync runs at a time
 and it takes every id queued so far (``multimaster.sync minion_ids=...``: one
 publish, no listing of every key).  ``salt-key -A`` fires one event per key:
 the first event syncs its key at once, the ones arriving meanwhile are synced
-together by one more round once the events have stopped for a second (at
-most a minute later), so the last change is never missed and a burst costs
-two syncs.  A coalesced sync of more keys than fit in ``inline_limit``
-(about a hundred) needs the pull channel that ``salt.multimaster.master``
+together by one more round once the events have stopped for
+``key_event_quiet`` seconds (3 by default; at most a minute later), so the
+last change is never missed and a burst costs two syncs.  A coalesced sync
+of more keys than fit in ``inline_limit`` (about a hundred) needs the pull
+channel that ``salt.multimaster.master``
 grants (``peer_run``); without it that sync is refused, retried, and the
 keys wait for the next full sync.
 """
@@ -22,9 +23,32 @@ import logging
 import os
 import time
 
+try:
+    from salt_multimaster import guard
+except ImportError:  # the file_roots install, its utils not synced yet: see _public
+    guard = None
+
 log = logging.getLogger(__name__)
 
 __virtualname__ = "multimaster_reactor"
+
+
+def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
+    """How a call with bad arguments, or one that failed, is answered (:func:`_public`)."""
+    log.error("multimaster: %s", message)
+    return {"result": False, "error": message, "retcode": 1}
+
+
+def _public(*extra):
+    """
+    This runner's one wrapper of its public functions
+    (:func:`salt_multimaster.guard.public`); without the core (the
+    file_roots install before ``saltutil.sync_runners`` brought it) Salt's
+    own checks only.
+    """
+    if guard is None:
+        return lambda func: func
+    return guard.public(__virtualname__, _answer, extra)
 
 KEY_ACTS = ("accept", "reject", "delete", "accepted", "rejected", "pending", "denied")
 ALL = "*"
@@ -74,6 +98,15 @@ def _valid_event_id(minion_id):
             and not any(c.isspace() for c in minion_id))
 
 
+def _regular(path):
+    """``path``, what stands there that is no regular file moved aside (a damaged state file)."""
+    from salt_multimaster import statefile  # pylint: disable=import-outside-toplevel
+
+    if os.path.lexists(path) and not os.path.isfile(path):
+        statefile.aside(path, "not a regular file")
+    return path
+
+
 class _Queue:
     """Minion ids waiting for a key sync, in a file shared by reactor threads and processes."""
 
@@ -82,24 +115,39 @@ class _Queue:
         self.lock_path = os.path.join(state_dir, "key-sync.pending.lock")
 
     def _locked(self):
-        fh = open(self.lock_path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+        # pylint: disable-next=consider-using-with
+        fh = open(_regular(self.lock_path), "a", encoding="utf-8")
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         return fh
 
     def put(self, ids):
         with self._locked():
-            with open(self.path, "a", encoding="utf-8") as fh:
+            with open(_regular(self.path), "a", encoding="utf-8") as fh:
                 fh.write("".join(f"{mid}\n" for mid in ids))
 
     def take(self):
-        """Every queued id (``*``: all keys), emptying the queue; None when empty."""
+        """
+        Every queued id (``*``: all keys), emptying the queue; None when
+        empty.  A damaged queue (not a file, not text, an id no key event
+        gives) is taken as every key: what it held is not known.
+        """
+        from salt_multimaster import statefile  # pylint: disable=import-outside-toplevel
+
         with self._locked():
             try:
-                with open(self.path, encoding="utf-8") as fh:
-                    ids = {line.strip() for line in fh if line.strip()}
-                os.unlink(self.path)
-            except FileNotFoundError:
+                data = statefile.read_bytes(self.path)
+                ids = {line.strip() for line in data.decode("utf-8").splitlines()
+                       if line.strip()} if data is not None else None
+                if ids is not None and not all(mid == ALL or _valid_event_id(mid)
+                                               for mid in ids):
+                    raise statefile.Damaged(self.path, "not a list of minion ids")
+            except (statefile.Damaged, UnicodeDecodeError) as exc:
+                statefile.notice(self.path, getattr(exc, "why", "not UTF-8"),
+                                 "every key is synced")
+                ids = {ALL}
+            if ids is None:
                 return None
+            statefile.remove(self.path)
         return ids
 
     def pending(self):
@@ -109,7 +157,10 @@ class _Queue:
 # A burst (salt-key -A: Salt's reactor starts about 8 key_event calls a
 # second) is covered by the first sync and one more, taken once the events
 # have stopped for QUIET seconds (at most MAX_WAIT after the first sync).
-QUIET = 1.0
+# With 1 s, a salt-key -A of 60 keys once cost three syncs on a loaded
+# Salt 3007 master (CI, two test workers; its log was not kept, so a
+# retried sync is not ruled out): 3 s leaves room for a longer gap.
+QUIET = 3.0
 MAX_WAIT = 60.0
 
 
@@ -133,6 +184,7 @@ def _conf_float(name, value, default):
     return float(value)
 
 
+@_public()
 def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retry_delay=2,
               quiet=None, max_wait=None):
     """
@@ -157,7 +209,7 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
 
     quiet, max_wait
         After the first sync, the next one waits until no event arrived for
-        ``quiet`` seconds (default 1, or ``multimaster:key_event_quiet`` in
+        ``quiet`` seconds (default 3, or ``multimaster:key_event_quiet`` in
         the master config), at most ``max_wait`` seconds (default 60,
         ``multimaster:key_event_max_wait``): a ``salt-key -A`` of hundreds of
         keys, whose events Salt's reactor delivers over tens of seconds,
@@ -203,7 +255,7 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
     queue.put([str(minion_id) if minion_id is not None else ALL])
     syncs, last, result, failures = 0, None, True, 0
     while True:
-        with open(lock_path, "a", encoding="utf-8") as lock:
+        with open(_regular(lock_path), "a", encoding="utf-8") as lock:
             try:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

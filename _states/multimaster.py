@@ -43,12 +43,39 @@ log = logging.getLogger(__name__)
 __virtualname__ = "multimaster"
 
 try:
+    from salt_multimaster import guard
+    from salt_multimaster import minion_config as conf_core
     from salt_multimaster import restart as restart_core
     from salt_multimaster import validate
 
     HAS_CORE = True
 except ImportError:
     HAS_CORE = False
+
+# what minion_config takes as **settings
+_SETTINGS = tuple(conf_core.SETTINGS) if HAS_CORE else ()
+
+
+def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
+    """
+    How a state called with bad arguments, or one that failed, is answered
+    (:func:`_public`): it fails, saying why.
+    """
+    name = args[0] if args else kwargs.get("name", "")
+    return {"name": name, "result": False, "changes": {}, "comment": message}
+
+
+def _public(*extra):
+    """
+    This module's one wrapper of its states (:func:`salt_multimaster.guard.public`):
+    ``extra`` names what a state's ``**kwargs`` accepts; any other argument
+    fails the state with every accepted one and the closest match, nothing
+    changed; whatever it raises fails it, named.  (Without the core the
+    module does not load: see ``__virtual__``.)
+    """
+    if not HAS_CORE:
+        return lambda func: func
+    return guard.public(__virtualname__, _answer, extra)
 
 
 def __virtual__():
@@ -114,7 +141,8 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
 def _restart_failed(ret, service, reason, test=False):
     """Fill ``ret`` for a restart of ``service`` that cannot happen."""
     pillar_key = ("multimaster:minion_restart_cmd" if service == "salt-minion"
-                  else "multimaster:master:restart_cmd")
+                  else "multimaster:master:restart_cmd (or the minion option "
+                       "multimaster.master_restart_cmd)")
     ret["result"] = False
     ret["comment"] += " " + restart_core.failure_comment(
         service, reason, pillar_key, test=test)
@@ -155,6 +183,7 @@ def _schedule_restart(ret, restart, restart_cmd, restart_delay, service="salt-mi
         ret["comment"] += f" A {what} restart is already pending (pid {sched.get('pid')})."
 
 
+@_public()
 def restart_scheduled(name, cmd=None, delay=None):
     """
     Restart the salt-minion or salt-master of this host in the background,
@@ -169,7 +198,9 @@ def restart_scheduled(name, cmd=None, delay=None):
 
     cmd
         The restart command; default ``salt-call --local service.restart <name>``
-        (for salt-minion: pillar ``multimaster:minion_restart_cmd`` first).
+        (for salt-minion: pillar ``multimaster:minion_restart_cmd`` first; for
+        salt-master: the minion option ``multimaster.master_restart_cmd``
+        first).
 
     delay
         Seconds between the end of the job and the restart (default 5,
@@ -201,6 +232,7 @@ def restart_scheduled(name, cmd=None, delay=None):
     return ret
 
 
+@_public(*_SETTINGS)
 def minion_config(
     name, masters=None, restart=True, restart_cmd=None, restart_delay=None, **settings
 ):
@@ -299,6 +331,7 @@ def minion_config(
     return ret
 
 
+@_public()
 def master_key(
     name,
     contents=None,

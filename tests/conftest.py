@@ -3,6 +3,7 @@ Shared fixtures: a short factories root dir, the extension installed the way
 ``pip install .`` installs it, and a builder for real multi-master clusters.
 """
 
+import json
 import logging
 import os
 import pathlib
@@ -26,7 +27,8 @@ except Exception:  # pylint: disable=broad-except  # pragma: no cover
     pass
 logging.getLogger().addHandler(logging.NullHandler())
 
-from tests.support.cluster import Cluster, install_extension  # noqa: E402  pylint: disable=wrong-import-position
+from tests.support.cluster import (  # noqa: E402  pylint: disable=wrong-import-position
+    SPENT as cluster_spent, Cluster, install_extension)
 
 
 @pytest.fixture(scope="session")
@@ -35,17 +37,21 @@ def mm_root():
     root = tempfile.mkdtemp(prefix="mm-", dir="/tmp")
     os.chmod(root, 0o755)
     yield pathlib.Path(root)
-    shutil.rmtree(root, ignore_errors=True)
+    if not os.environ.get("MM_KEEP"):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
-def pip_site(mm_root):
+def pip_site(mm_root, repo_tree):
     """
     ``pip install .`` (a real, non-editable wheel build) into a private site
     directory, put on PYTHONPATH for every daemon and CLI the tests start.
     Salt finds the extension through its ``salt.loader`` entry point there.
+    Built from the session's own copy of the repository (``repo_tree``, left
+    as it was): the build writes beside its sources, and two sessions (the
+    workers of pytest-xdist) must not build in one tree.
     """
-    site = install_extension(REPO, mm_root / "site")
+    site = install_extension(repo_tree, mm_root / "site")
     return site
 
 
@@ -101,18 +107,106 @@ def cluster_factory(salt_factories):
         cluster.stop()
 
 
+# The integration modules, slowest first (Salt 3008, one process): under
+# pytest-xdist (``make test`` runs two workers, ``--dist loadfile``: a module
+# and its clusters stay in one worker) they go out in this order, and the
+# quick modules fill in at the end.  A module not listed comes after them.
+SLOW_FIRST = (
+    "test_rotate_key.py", "test_formula.py", "test_sync.py", "test_audit.py",
+    "test_damage.py", "test_faults.py", "test_outage.py", "test_revocation.py",
+    "test_input.py", "test_add_remove_peer.py", "test_restart_pending.py", "test_trust.py",
+    "test_watch.py", "test_dead_peer.py", "test_peer_hosts.py", "test_foundation.py",
+)
+DAEMON_TESTS = "tests/integration/"
+
+
+def _xdist_workers(config):
+    """How many pytest-xdist workers run the session (0: none), in a worker as in the controller."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        return workerinput["workercount"]
+    return getattr(config.option, "numprocesses", None) or 0
+
+
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
     """
+    The daemon tests come first, the modules of :data:`SLOW_FIRST` in its
+    order, then the other daemon modules, then the rest (each module's
+    tests in their order).
+
     ``MM_TEST_ORDER=reverse``: run the tests of each module in reverse order
     (modules keep their order), a probe for tests that rely on what an
     earlier test of the same module did.  Unset: the default order.
     """
     order = os.environ.get("MM_TEST_ORDER", "")
-    if not order:
-        return
-    if order != "reverse":
+    if order not in ("", "reverse"):
         raise pytest.UsageError(f"MM_TEST_ORDER must be 'reverse' or unset, not {order!r}")
     groups = {}
     for item in items:
         groups.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    items[:] = [item for group in groups.values() for item in reversed(group)]
+
+    def rank(module):
+        name = module.rsplit("/", 1)[-1]
+        if not module.startswith(DAEMON_TESTS):
+            return (2, 0)
+        return (0, SLOW_FIRST.index(name)) if name in SLOW_FIRST else (1, 0)
+
+    modules = sorted(groups, key=rank)
+    items[:] = [item for module in modules
+                for item in (reversed(groups[module]) if order else groups[module])]
+
+
+# ----- where the time goes: printed at the end of every run ------------------
+# Each test's setup + call + teardown, summed per top-level test directory
+# (the phases: unit, functional, integration) and per module.  A module's
+# clusters start in its first test's setup and stop in its last test's
+# teardown, so a module's sum is what it costs; session fixtures (the wheel
+# build) count in the first test that asks for them.
+_SPENT = {"dirs": {}, "modules": {}}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    top = "/".join(parts[:2]) if len(parts) > 2 else path
+    for kind, key in (("dirs", top), ("modules", path)):
+        _SPENT[kind][key] = _SPENT[kind].get(key, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its daemon times to the controller."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["mm_cluster_spent"] = json.dumps(cluster_spent)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # pylint: disable=unused-argument
+    """pytest-xdist's controller: add up the daemon times of a finished worker."""
+    spent = json.loads(getattr(node, "workeroutput", {}).get("mm_cluster_spent", "{}"))
+    for what, (count, seconds) in spent.items():
+        entry = cluster_spent.setdefault(what, [0, 0.0])
+        entry[0] += count
+        entry[1] += seconds
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SPENT["dirs"]:
+        return
+    write = terminalreporter.write_line
+    workers = _xdist_workers(terminalreporter.config)
+    terminalreporter.write_sep(
+        "=", "time per test directory and module (setup + call + teardown"
+        + (f", summed over {workers} workers)" if workers else ")"))
+    for top, spent in sorted(_SPENT["dirs"].items()):
+        write(f"{spent:8.1f}s {top}")
+    write(f"{sum(_SPENT['dirs'].values()):8.1f}s in all")
+    slow = sorted(((s, m) for m, s in _SPENT["modules"].items() if s >= 5), reverse=True)
+    if slow:
+        write("modules of 5 s and more:")
+        for spent, module in slow:
+            write(f"{spent:8.1f}s {module}")
+    if cluster_spent:
+        write("real daemons (tests/support/cluster.py), waited for in the tests above:")
+        for what, (count, spent) in sorted(cluster_spent.items()):
+            write(f"{spent:8.1f}s {count:4d} {what}")

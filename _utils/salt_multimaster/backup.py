@@ -24,7 +24,7 @@ def stamps(base):
     """The backups under ``base``, oldest first."""
     try:
         names = os.listdir(base)
-    except FileNotFoundError:
+    except OSError:  # none yet (or not a directory: a sync moves it aside)
         return []
     return sorted(n for n in names if STAMP.match(n) and os.path.isdir(os.path.join(base, n)))
 

@@ -3,10 +3,11 @@ Whether a salt-master is serving: what a peer reports about its own master.
 """
 
 import json
+import os
 import socket
 import time
 
-from salt_multimaster import fsutil
+from salt_multimaster import statefile
 
 CONNECT_TIMEOUT = 2.0
 
@@ -97,16 +98,53 @@ def mark_restart(mopts, marker):
     (:func:`master_process`, None when none does), and when.  Written
     before any restart is asked for, 0600.
     """
-    fsutil.atomic_write(marker, json.dumps({"written": time.time(),
-                                            "master": master_process(mopts)}), mode=0o600)
+    statefile.write(marker, json.dumps({"written": time.time(), "master": master_process(mopts)}))
+
+
+def _valid_marker(data):
+    """A marker of this release (``{"written", "master"}``) or of an earlier one (a time)."""
+    if isinstance(data, dict):
+        recorded = data.get("master")
+        return recorded is None or (isinstance(recorded, list) and len(recorded) == 2)
+    return isinstance(data, (int, float)) and not isinstance(data, bool)
+
+
+def loaded_files(mopts):
+    """The files a sync writes that the master loads only when it starts: keys, drop-in."""
+    # pylint: disable=import-outside-toplevel
+    from salt_multimaster import layout, protocol
+
+    files = [path for topology in layout.TOPOLOGIES
+             for path in layout.master_key_files(mopts, topology)]
+    return files + [protocol.dropin_path(mopts)]
+
+
+def _started_before_a_write(mopts):
+    """
+    The restart marker rebuilt from the live state: whether the running
+    master started before the last change of a file it loads only when it
+    starts (True), after all of them (False), or None (no master).
+    """
+    started = master_started(mopts)
+    if started is None:
+        return None
+    changed = []
+    for path in loaded_files(mopts):
+        try:
+            changed.append(os.stat(path).st_mtime)
+        except OSError:
+            pass
+    return bool(changed) and started < max(changed)
 
 
 def restart_pending(mopts, marker):
     """
     Whether the master that ran at the last write needing a restart
     (``marker``, :func:`mark_restart`) still runs: True, False, or None
-    when it cannot be told (no master process found, a damaged marker).
-    No marker means False.
+    when it cannot be told (no master process found).  No marker means
+    False; a damaged one is rebuilt from the live state (the running
+    master's start against the files it loads, :func:`loaded_files`) and
+    written again.
 
     A restart is told by the process, not by the clock: the master recorded
     at the write is pending while it runs (same pid, same start); with no
@@ -118,14 +156,18 @@ def restart_pending(mopts, marker):
     master's start time.
     """
     try:
-        with open(marker, encoding="utf-8") as fh:
-            text = fh.read()
-    except OSError:
+        data = statefile.read(marker, valid=_valid_marker)
+    except statefile.Damaged as exc:
+        pending = _started_before_a_write(mopts)
+        statefile.notice(marker, exc.why, "rebuilt from the master's start and the files it "
+                         "loads: restart " + ("pending" if pending else "not pending"))
+        if pending:
+            mark_restart(mopts, marker)  # pending until the running master restarts
+        else:
+            statefile.write(marker, json.dumps({"written": time.time(), "master": None}))
+        return pending
+    if data is None:
         return False
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
     running = master_process(mopts)
     if running is None:
         return None
@@ -133,10 +175,6 @@ def restart_pending(mopts, marker):
         recorded = data.get("master")
         if recorded is None:
             return False
-        if not (isinstance(recorded, list) and len(recorded) == 2):
-            return None
         return running == recorded
-    if isinstance(data, (int, float)) and not isinstance(data, bool):
-        started = master_started(mopts)
-        return None if started is None else started < data
-    return None
+    started = master_started(mopts)
+    return None if started is None else started < data

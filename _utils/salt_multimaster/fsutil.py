@@ -345,7 +345,8 @@ BESIDE_JOURNAL = "beside"
 def _remove_beside(home):
     """Remove the staging dirs a batch made beside destinations (its journal in ``home``)."""
     try:
-        with open(os.path.join(home, BESIDE_JOURNAL), encoding="utf-8") as fh:
+        with open(os.path.join(home, BESIDE_JOURNAL), encoding="utf-8",
+                  errors="surrogateescape") as fh:
             paths = [line.rstrip("\n") for line in fh if line.strip()]
     except OSError:
         return
@@ -367,7 +368,7 @@ def clean_stages(stage_root):
     """
     try:
         names = os.listdir(stage_root)
-    except FileNotFoundError:
+    except OSError:  # none yet (or not a directory: moved aside by the applier)
         return []
     removed = []
     for name in sorted(names):
@@ -386,8 +387,11 @@ def clean_stages(stage_root):
                 os.close(fd)
                 continue  # a live batch
         try:
-            _remove_beside(home)
-            shutil.rmtree(home, ignore_errors=True)
+            if os.path.isdir(home) and not os.path.islink(home):
+                _remove_beside(home)
+                shutil.rmtree(home, ignore_errors=True)
+            else:
+                _unlink(home)  # not what a batch makes: a damaged leftover
             removed.append(home)
             if fd is not None:
                 _unlink(lock)

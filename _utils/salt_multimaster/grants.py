@@ -22,7 +22,7 @@ def expired(pull_dir, now=None, ttl=600):
     now = time.time() if now is None else now
     try:
         names = os.listdir(pull_dir)
-    except FileNotFoundError:
+    except OSError:  # none yet, or damaged: the next grant moves it aside
         return []
     tokens = set()
     for name in names:
@@ -56,7 +56,8 @@ def expired(pull_dir, now=None, ttl=600):
 def jids(pull_dir, token):
     """The jids the pulls of grant ``token`` recorded."""
     try:
-        with open(os.path.join(pull_dir, token + JIDS_SUFFIX), encoding="utf-8") as fh:
+        with open(os.path.join(pull_dir, token + JIDS_SUFFIX), encoding="utf-8",
+                  errors="replace") as fh:
             return [line.strip() for line in fh if line.strip().isdigit()]
     except OSError:
         return []

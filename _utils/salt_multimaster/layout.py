@@ -5,7 +5,7 @@ Where salt-multimaster keeps things on a master, defined once for the primary
 
 import os
 
-from salt_multimaster import fsutil
+from salt_multimaster import statefile
 
 #: The two ways masters share a key: ``shared`` (one master.pem on every
 #: master) or ``signed`` (one master_sign.pem; each master its own key).
@@ -13,9 +13,13 @@ TOPOLOGIES = ("shared", "signed")
 
 
 def state_dir(opts):
-    """``<cachedir>/multimaster`` (0700), created on first use."""
+    """
+    ``<cachedir>/multimaster`` (0700), created on first use (what stands in
+    its way moved aside, :func:`statefile.makedirs`).
+    """
     path = os.path.join(opts["cachedir"], "multimaster")
-    fsutil.makedirs(path, mode=0o700)
+    if not os.path.isdir(path):
+        statefile.makedirs(path, opts["cachedir"])
     return path
 
 

@@ -13,6 +13,8 @@ import fcntl
 import os
 import time
 
+from salt_multimaster import statefile
+
 LOCK_NAME = "sync.lock"
 
 
@@ -40,6 +42,8 @@ class SyncLock:
         self.fd = None
 
     def acquire(self):
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            statefile.aside(self.path, "not a regular file")  # a lock is made again there
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         deadline = self.clock() + self.wait
         while True:
@@ -79,7 +83,7 @@ class SyncLock:
 def read_holder(path):
     """The jid written by the lock's holder, or None."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8", errors="replace") as fh:
             words = fh.read().split()
     except OSError:
         return None

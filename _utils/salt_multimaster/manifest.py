@@ -17,7 +17,7 @@ import stat
 import time
 from collections.abc import Mapping
 
-from salt_multimaster import fsutil, replicate
+from salt_multimaster import fsutil, replicate, statefile
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +207,10 @@ class HashCache:
     def entries(self):
         if self._entries is None:
             self._entries = {}
-            if self.path and os.path.isfile(self.path):
-                try:
-                    with open(self.path, encoding="utf-8") as fh:
-                        self._entries = json.load(fh)
-                except (OSError, ValueError):
-                    self._entries = {}
+            if self.path:
+                # damaged: every file it would vouch for is hashed again
+                self._entries = statefile.load(self.path, "the files are hashed again",
+                                               default={}, valid=_valid_hashcache)
         return self._entries
 
     def sha256(self, path, st, hasher=sha256_file):
@@ -241,10 +239,15 @@ class HashCache:
             self.dirty = self.dirty or bool(stale)
         if not self.path or not self.dirty:
             return
-        fsutil.makedirs(os.path.dirname(self.path), mode=0o700)
         # a cache: checked against each file's stat, rebuilt when unreadable
-        fsutil.atomic_write(self.path, json.dumps(self.entries), mode=0o600, durable=False)
+        statefile.write(self.path, json.dumps(self.entries), durable=False)
         self.dirty = False
+
+
+def _valid_hashcache(entries):
+    """Whether a hash cache holds ``{path: [ino, size, mtime_ns, sha256]}``."""
+    return isinstance(entries, dict) and all(
+        isinstance(e, list) and len(e) == 4 and isinstance(e[3], str) for e in entries.values())
 
 
 class Ignore:
@@ -673,7 +676,7 @@ class DirRecords:
 
     def forget(self):
         """Remove the saved records: the next walk lists every directory."""
-        fsutil.remove(self.path)
+        statefile.remove(self.path)
 
     def save(self, token):
         """
@@ -699,7 +702,7 @@ class DirRecords:
         tree = {d: self.tree[d] for d in self.kept}
         tree.update({d: [rec["rel"], rec["subdirs"], not rec.get("unclean")]
                      for d, rec in self.new.items()})
-        fsutil.atomic_write(self.path, json.dumps({"format": ROOTS_DIRS_FORMAT, "token": token,
+        statefile.write(self.path, json.dumps({"format": ROOTS_DIRS_FORMAT, "token": token,
                                                    "ignore": self.ignore_key,
                                                    "gen": self.next_gen,
                                                    "buckets": self.files.shas, "tree": tree}),
@@ -1135,12 +1138,11 @@ def _dir_stamp(path):
 
 
 def read_json(path):
-    """What the JSON file ``path`` holds; None when it cannot be read or is not JSON."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    """
+    What the JSON state file ``path`` holds; None when it is missing or
+    damaged (:func:`statefile.load`: logged, what it vouched for read again).
+    """
+    return statefile.load(path, "what it vouched for is read again")
 
 
 def _key_part(entries):
@@ -1191,12 +1193,17 @@ class BucketFiles:
         if bucket in self._texts:
             return self._texts.pop(bucket)
         self.files_read += 1
+        path = self._path(bucket)
         try:
-            with open(self._path(bucket), "rb") as fh:
-                text = fh.read()
-        except OSError:
+            text = statefile.read_bytes(path)
+        except statefile.Damaged as exc:
+            statefile.notice(path, exc.why, "not used: what it holds is read again")
             return None
-        return text if hashlib.sha256(text).hexdigest() == self._given[bucket] else None
+        if text is None or hashlib.sha256(text).hexdigest() != self._given[bucket]:
+            statefile.notice(path, "missing" if text is None else "not the file named (torn, "
+                             "altered or of another save)", "not used: read again")
+            return None
+        return text
 
     def matching(self):
         """
@@ -1245,16 +1252,16 @@ class BucketFiles:
 
     def save(self, changed):
         """Write the buckets of ``changed`` (``{bucket: data}``); an empty one is removed."""
-        fsutil.makedirs(self.dir, mode=0o700)
+        statefile.makedirs(self.dir, os.path.dirname(self.dir))
         for bucket, data in changed.items():
             self.get(bucket)
             data = {outer: inner for outer, inner in data.items() if inner}
             if data:
                 text = json.dumps({"bucket": data}).encode("utf-8")
-                fsutil.atomic_write(self._path(bucket), text, mode=0o600, durable=self.durable)
+                statefile.write(self._path(bucket), text, mode=0o600, durable=self.durable)
                 self.shas[bucket] = hashlib.sha256(text).hexdigest()
             else:
-                fsutil.remove(self._path(bucket))
+                statefile.remove(self._path(bucket))
                 self.shas.pop(bucket, None)
 
 
@@ -1595,9 +1602,9 @@ class KeysSnapshot:
         # listed again when one does not match
         self._store.save(changed)
         meta["buckets"] = {b: sha for b, sha in self._store.shas.items() if b in meta["digest"]}
-        fsutil.atomic_write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
+        statefile.write(self.meta_path, json.dumps(meta), mode=0o600, durable=False)
         # every key is in the snapshot now: the cache of the keys a sync wrote is spent
-        fsutil.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
+        statefile.remove(os.path.join(self.state_dir, KEYS_HASHCACHE))
 
     def _entries_of(self, bucket):
         """
@@ -1643,7 +1650,7 @@ class KeysSnapshot:
         if self.meta.get("dirs") is None or "buckets" not in self.meta:
             return
         self.meta.update(fields)
-        fsutil.atomic_write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
+        statefile.write(self.meta_path, json.dumps(self.meta), mode=0o600, durable=False)
 
 
 _SCAN_FIELDS = ("pki_dir", "dirs", "taken_ns", "clock", "digest", "counts", "errors",
@@ -1780,6 +1787,18 @@ class RootsParts:
         parts = _LazyParts(lambda: raw, part)
         return self.digest, lambda: parts
 
+    def saved_part(self, bucket):
+        """
+        The part of ``bucket`` as the last read found it (``{}``: empty),
+        modes as they are; None without a saved read or when its file does
+        not match.
+        """
+        if self.digest is None:
+            return None
+        if bucket not in self.data["digest"]:
+            return {}
+        return self._files.get(bucket)
+
     def update(self, roots_by_env, man, touched, gen, complete=None):
         """
         This read's ``parts``, ``raw`` and ``safe`` digests from its
@@ -1848,7 +1867,7 @@ class RootsParts:
         # these, each bucket checked: a lost or stale file costs a second
         # round, never a wrong plan
         self._files.save(changed)
-        fsutil.atomic_write(self.path, json.dumps({
+        statefile.write(self.path, json.dumps({
             "format": self.FORMAT, "gen": gen, "roots": self._roots, "digest": self.raw,
             "safe": self.safe,
             "buckets": {b: sha for b, sha in self._files.shas.items() if b in self.raw}}),

@@ -39,7 +39,8 @@ import time
 import salt.config
 import salt.utils.yaml
 
-from salt_multimaster import daemon, fsutil, layout, manifest, masters, protocol, report
+from salt_multimaster import (daemon, fsutil, layout, manifest, masters, protocol, report,
+                              statefile)
 
 log = logging.getLogger(__name__)
 
@@ -87,15 +88,23 @@ def effective_peers(opts):
     return as_list(conf.get("peers"))
 
 
+def _yaml(data):
+    """YAML from bytes, or ValueError naming what is wrong."""
+    try:
+        return salt.utils.yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except salt.utils.yaml.YAMLError:
+        raise ValueError("not YAML") from None
+
+
 def read_dropin(path):
     """The peers listed in the drop-in (``[]`` when it does not exist)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = salt.utils.yaml.safe_load(fh)
-    except FileNotFoundError:
-        return []
-    except (OSError, salt.utils.yaml.YAMLError) as exc:
-        raise MembershipError(f"{path} is unreadable ({exc}): fix or remove it") from None
+        data = statefile.read(path, parse=_yaml)
+    except statefile.Damaged as exc:
+        raise MembershipError(f"{exc}: fix it, or remove it and add the peers again with "
+                              "salt-run multimaster.add_peer") from None
     conf = (data or {}).get("multimaster") if isinstance(data, dict) or data is None else None
     if data and (not isinstance(conf, dict) or set(data) != {"multimaster"}
                  or set(conf) - {"peers"}):
@@ -117,10 +126,10 @@ def write_dropin(path, peers):
     remove it when ``peers`` is empty.  Returns the path.
     """
     if not peers:
-        fsutil.remove(path)
+        statefile.remove(path)
         return path
     fsutil.makedirs(os.path.dirname(path), mode=0o755)
-    fsutil.atomic_write(path, render(peers), mode=DROPIN_MODE)
+    statefile.write(path, render(peers), mode=DROPIN_MODE)
     return path
 
 
@@ -201,6 +210,11 @@ def check_host(peer, host, primary_id, primary_pub_sha):
                            "salt-multimaster installed there, and multimaster.master_config "
                            "set on its minion?)"}
     where = f"{host.get('master_config')}"
+    how = host.get("master_restart")
+    if isinstance(how, dict) and how.get("refused"):
+        return {"result": False, "master": None,
+                "comment": f"{peer}: nothing written, its salt-master cannot be (re)started "
+                           f"by the command configured there: {how['refused']}"}
     if host["master_id"] == primary_id:
         return {"result": False, "master": None,
                 "comment": f"{peer}'s master config {where} is this primary's own "
@@ -392,7 +406,7 @@ def sync_kept(res, peer):
         return False
     cats = [rep for rep in res.values() if isinstance(rep, dict) and "errors" in rep]
     if not cats or any(rep.get("errors") or rep.get("conflicts") or rep.get("unconfirmed")
-                       for rep in cats):
+                       or rep.get("peer_changed") for rep in cats):
         return False
     rest = str(res.get("error") or "")
     for line in _MASTER_LINES:
@@ -662,26 +676,32 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
 
 def start_master(salt_ops, peer, timeout):
     """
-    Start the peer's salt-master through its minion's service manager and
-    wait up to :data:`PEER_START_WAIT` seconds for it: the ``start`` step's
+    Start the peer's salt-master the way every restart of salt-multimaster
+    goes (``multimaster_peer.restart_master``: the minion option
+    ``multimaster.master_restart_cmd``, else the service manager) and wait
+    up to :data:`PEER_START_WAIT` seconds for it: the ``start`` step's
     ``{"result", "comment"}``.
     """
-    got = salt_ops.cmd(peer, "service.available", arg=["salt-master"], timeout=timeout)
-    if got.get(peer) is not True:
+    got = salt_ops.cmd(peer, "multimaster_peer.restart_master", timeout=timeout).get(peer)
+    if not isinstance(got, dict) or got.get("restart") != "restarting":
+        why = ("no service manager there knows salt-master, and no minion option "
+               "multimaster.master_restart_cmd says how to start it"
+               if isinstance(got, dict) and got.get("restart") == "restart_required" else
+               got.get("error") if isinstance(got, dict) and got.get("error") else
+               f"its salt-minion did not answer: {str(got)[:200]}")
         return {"result": False, "comment": (
-            f"start salt-master on {peer} now (no service manager there knows salt-master): "
-            "the primary's master keys are in place; then salt-run multimaster.status "
-            f"peers={peer}")}
-    salt_ops.cmd(peer, "service.start", arg=["salt-master"], timeout=timeout)
+            f"start salt-master on {peer} now ({why}): the primary's master keys are in place; "
+            f"then salt-run multimaster.status peers={peer}")}
     end = salt_ops.monotonic() + PEER_START_WAIT
     while salt_ops.monotonic() < end:
         host = salt_ops.host(peer, "shared", timeout)
         if isinstance(host, dict) and host.get("master_pid"):
             return {"result": True, "comment": f"salt-master started on {peer} (pid "
-                                               f"{host['master_pid']}) with the primary's keys"}
+                                               f"{host['master_pid']}, {got.get('cmd')}) with "
+                                               "the primary's keys"}
         salt_ops.sleep(PEER_START_POLL)
     return {"result": False, "comment": f"salt-master on {peer} did not start within "
-                                        f"{PEER_START_WAIT} s: see its log"}
+                                        f"{PEER_START_WAIT} s ({got.get('cmd')}): see its log"}
 
 
 def remove_peer(salt_ops, peer, address=None, test=False, force=False, tgt="*",

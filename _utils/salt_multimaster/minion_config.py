@@ -24,7 +24,7 @@ import re
 
 import salt.utils.yaml
 
-from salt_multimaster import finger, fsutil
+from salt_multimaster import finger, fsutil, statefile
 from salt_multimaster.layout import TOPOLOGIES, state_dir
 from salt_multimaster.masters import DEFAULT_MASTER_PORT, dedup, parse_lenient, resolve_hosts
 from salt_multimaster.masters import parse as parse_master
@@ -240,12 +240,17 @@ def dropin_path(conf_file, name=None):
 
 
 def read_text(path):
-    """A file's text, or None when it does not exist."""
+    """
+    A file's text (bytes that are not UTF-8 replaced), or None when it does
+    not exist; ``""`` when something else stands there (a directory: what
+    writes the file moves it aside, :func:`_write`).
+    """
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
-    except FileNotFoundError:
-        return None
+        data = statefile.read_bytes(path)
+    except statefile.Damaged as exc:
+        statefile.notice(path, exc.why, "read as empty, replaced when written")
+        return ""
+    return None if data is None else data.decode("utf-8", errors="replace")
 
 
 def _load_yaml_file(path):
@@ -428,7 +433,7 @@ def _write(path, text, mode):
     """Temp file in the same folder, fsync, rename; OSError -> WriteError."""
     try:
         fsutil.makedirs(os.path.dirname(path) or ".")
-        fsutil.atomic_write(path, text, mode=mode)
+        statefile.write(path, text, mode=mode)
     except OSError as exc:
         raise WriteError(f"cannot write {path}: {exc}") from exc
 

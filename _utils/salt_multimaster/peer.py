@@ -22,8 +22,9 @@ import time
 
 import salt.utils.yaml
 
-from salt_multimaster import (backup, compat, daemon, finger, fsutil, layout, lock, manifest,
-                              protocol, replicate, seal, validate, watch)
+from salt_multimaster import (backup, compat, confirmed, daemon, finger, fsutil, layout, lock,
+                              manifest, protocol, replicate, revocation, seal, statefile, validate,
+                              watch)
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,12 @@ def history_path(state_dir):
     return os.path.join(state_dir, HISTORY_NAME)
 
 
+def _valid_history(meta):
+    """The key history's names: this format's, or an earlier release's single list."""
+    return isinstance(meta, list) or (isinstance(meta, dict) and meta.get(
+        "format") == HISTORY_FORMAT and isinstance(meta.get("buckets"), dict))
+
+
 def _valid_ids(data):
     return isinstance(data, dict) and set(data) <= {"ids"} and isinstance(
         data.get("ids", []), list) and all(isinstance(mid, str) for mid in data.get("ids", []))
@@ -129,7 +136,9 @@ class KeyHistory:
     """
 
     def __init__(self, state_dir):
-        meta = manifest.read_json(history_path(state_dir))
+        meta = statefile.load(history_path(state_dir), "the ids it names read as not received "
+                              "from the primary (a removal there reads as a conflict) until "
+                              "the next sync records them again", valid=_valid_history)
         self.state_dir = state_dir
         self.legacy = None
         shas = {}
@@ -176,9 +185,8 @@ class KeyHistory:
         if self.legacy is not None:
             todo = {**self.legacy, **todo}
         self.files.save({b: {"ids": sorted(ids)} for b, ids in todo.items()})
-        fsutil.atomic_write(history_path(self.state_dir),
-                            json.dumps({"format": HISTORY_FORMAT, "buckets": self.files.shas}),
-                            mode=0o600)
+        statefile.write(history_path(self.state_dir),
+                        json.dumps({"format": HISTORY_FORMAT, "buckets": self.files.shas}))
         self.legacy, self.changed = None, {}
 
 
@@ -225,22 +233,20 @@ RECORDED_NAME = "minion_keys_history.recorded.json"
 
 def _recorded(state_dir):
     """``{bucket: digest}`` of the buckets whose ids are all in the key history, as last recorded."""
-    try:
-        with open(os.path.join(state_dir, RECORDED_NAME), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
+    data = statefile.load(os.path.join(state_dir, RECORDED_NAME),
+                          "every bucket's history is checked again", default={},
+                          valid=lambda d: isinstance(d, dict)
+                          and isinstance(d.get("buckets", {}), dict))
+    if data.get("stamp") != _history_stamp(state_dir):
         return {}
-    if not isinstance(data, dict) or data.get("stamp") != _history_stamp(state_dir) or (
-            not isinstance(data.get("buckets"), dict)):
-        return {}
-    return data["buckets"]
+    return data.get("buckets") or {}
 
 
 def _save_recorded(state_dir, buckets):
     # a cache: lost or stale (another history), every bucket is checked again
-    fsutil.atomic_write(os.path.join(state_dir, RECORDED_NAME),
-                        json.dumps({"stamp": _history_stamp(state_dir), "buckets": buckets}),
-                        mode=0o600, durable=False)
+    statefile.write(os.path.join(state_dir, RECORDED_NAME),
+                    json.dumps({"stamp": _history_stamp(state_dir), "buckets": buckets}),
+                    durable=False)
 
 
 def _journal(mopts):
@@ -305,6 +311,8 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
         elif cat == "master_config":
             keys = config_keys or list(replicate.DEFAULT_CONFIG_KEYS)
             ret[cat] = {k: mopts.get(k) for k in keys}
+            # what the peer last confirmed of each option (sha256 only)
+            ret["config_record"] = confirmed.config_record(state_dir)
         elif cat == "minion_keys":
             ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan)
         else:
@@ -312,8 +320,18 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
             diff = manifest.differing(digests.get(cat) or {}, read.raw)
             ret[cat] = {"digest": read.raw, "errors": roots_errors[cat], "buckets": diff,
                         "manifest": manifest.merge(read.parts, diff),
-                        "envs": sorted(mopts.get(cat) or {})}
+                        "envs": sorted(mopts.get(cat) or {}),
+                        "record": confirmed.since(state_dir, cat, read.raw, diff,
+                                                  functools.partial(_part, read.parts))}
     return ret
+
+
+def _part(parts, bucket):
+    """A bucket's part of a read (``{}``: an empty bucket)."""
+    try:
+        return parts[bucket]
+    except KeyError:
+        return {}
 
 
 def keys_inventory(mopts, state_dir, digests, rescan=False):
@@ -330,7 +348,9 @@ def keys_inventory(mopts, state_dir, digests, rescan=False):
             "manifest": manifest.merge(snap.parts, diff) if diff else {},
             "counts": snap.counts,
             "history": _history_of(state_dir, wanted),
-            "history_recorded": snap.meta.get("history") == _history_stamp(state_dir)}
+            "history_recorded": snap.meta.get("history") == _history_stamp(state_dir),
+            "record": confirmed.since(state_dir, "minion_keys", snap.digest, diff,
+                                      functools.partial(_part, snap.parts))}
 
 
 def _history_of(state_dir, buckets):
@@ -351,7 +371,8 @@ def targeted_inventory(mopts, state_dir, ids):
     history = set(_history_of(state_dir, {manifest.bucket_of(mid) for mid in ids}))
     return {"master_id": mopts["id"], "errors": [],
             "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
-                            "history": sorted(history & set(ids))}}
+                            "history": sorted(history & set(ids)),
+                            "record": confirmed.since_ids(state_dir, ids, here)}}
 
 
 # ---------------------------------------------------------------------------
@@ -375,6 +396,10 @@ class Applier:
         # served), where a batch killed before its commit is found and
         # removed by the next one
         stage_root = os.path.join(mopts["cachedir"], "multimaster", "stage")
+        # what stands where the stage and backup dirs go is moved aside first
+        for path in (stage_root, os.path.dirname(self.backup_root)):
+            if not os.path.isdir(path):
+                statefile.makedirs(path, mopts["cachedir"])
         for stale in fsutil.clean_stages(stage_root):
             log.info("multimaster: removed %s, left by a sync that died", stale)
         self.batch = fsutil.Batch(stage_root=stage_root)
@@ -596,6 +621,40 @@ def apply_master_keys(app, ops, topology):
     return report
 
 
+def _parse_dropin(data):
+    """The options of the drop-in: a YAML mapping of replicable options (ValueError else)."""
+    try:
+        values = salt.utils.yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except salt.utils.yaml.YAMLError:
+        raise ValueError("not YAML") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ValueError("not a mapping of options")
+    return values
+
+
+def dropin_damaged(conf_file, state_dir):
+    """
+    Whether the drop-in a sync writes beside the master config ``conf_file``
+    (``master.d/``, :data:`protocol.DROPIN_NAME`) is damaged (Salt cannot
+    load the master config then): moved aside (kept, never removed), so
+    that the config loads and the next sync writes it again.  What the
+    peer's record (in ``state_dir``) says it confirmed of it is forgotten
+    with it: the options are unknown, no change of the peer's operator.
+    """
+    path = os.path.join(os.path.dirname(conf_file), "master.d", protocol.DROPIN_NAME)
+    try:
+        statefile.read(path, parse=_parse_dropin)
+    except statefile.Damaged as exc:
+        statefile.aside(path, exc.why)
+        confirmed.forget_config(state_dir)
+        return True
+    return False
+
+
 def apply_master_config(app, ops):
     report = _report()
     path = protocol.dropin_path(app.mopts)
@@ -725,7 +784,7 @@ def check_expected(mopts, state_dir, expect, topology, config_keys):
 
 def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
           pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
-          config_keys=None, after=None):
+          config_keys=None, after=None, confirm=None):
     """
     Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
     chunk, through ``pull(request)``); return the reply without its
@@ -736,6 +795,11 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     Salt made pending again while they were accepted (:func:`keep_accepted`),
     are handed to ``after`` to run once the job has returned
     (:func:`record_after_return`; default: run before this returns).
+
+    ``confirm``: the primary's digests of the other categories
+    (``{category: bucket digests}``, ``master_config``: ``{option:
+    sha256}``), for the record of what this peer holds in step with it
+    (:func:`record_confirmed`).
 
     ``expect`` (a change sync, or a targeted key sync, in one round trip):
     apply only if this peer holds what the primary expects
@@ -750,7 +814,31 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         raise validate.InvalidInput(f"unknown topology {topology!r}")
     with locked(state_dir):
         return _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
-                      pull_token, pull_chunks, keys_digest, expect, config_keys, after)
+                      pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm)
+
+
+#: the categories whose writes the salt-master loads only when it restarts
+DAEMON_CATEGORIES = ("master_keys", "master_config")
+
+
+def held_back(ops, restart):
+    """
+    ``{category: report}`` of the master_keys and master_config ``ops`` not
+    applied because this master could not restart to load them
+    (``restart.refused``, :class:`salt_multimaster.restart.MasterRestart`: a
+    configured restart command whose program is not installed): each item
+    failed, naming why, nothing of it written.
+    """
+    why = restart.why_refused() if getattr(restart, "refused", None) else None
+    held = {}
+    for cat in DAEMON_CATEGORIES:
+        if why and ops.get(cat):
+            report = held[cat] = _report()
+            for op in ops[cat]:
+                name = op.get("name") if cat == "master_keys" else protocol.DROPIN_NAME
+                report["errors"].append(f"{name}: {why}")
+                report["failed"].append(name)
+    return held
 
 
 def _run_all(work):
@@ -785,8 +873,54 @@ def keep_accepted(mopts, ops):
     return kept
 
 
+def _digests(value):
+    """``value`` when it is ``{name: str}``, else None."""
+    if isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return value
+    return None
+
+
+def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
+    """
+    After an apply: record what this peer now holds in step with the
+    primary (:mod:`salt_multimaster.confirmed`), from what its last
+    inventory read (its saved state) and what the apply did (``ret``).
+    """
+    confirm = confirm if isinstance(confirm, dict) else {}
+    digests = {cat: _digests(confirm.get(cat)) for cat in confirmed.BUCKETED}
+    digests["minion_keys"] = _digests(keys_digest)
+    for cat in confirmed.BUCKETED:
+        if not ops.get(cat) and digests[cat] is None:
+            continue
+        done = confirmed.applied(cat, ops.get(cat) or [],
+                                 set((ret.get(cat) or {}).get("failed") or ()))
+        now = None
+        if cat == "minion_keys":
+            held = manifest.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
+
+            def part(bucket):
+                parts = manifest.saved_key_parts(state_dir, [bucket])
+                return None if parts is None else parts.get(bucket, {})
+
+            def now(ids):
+                return manifest.keys_state(mopts["pki_dir"], sorted(ids))
+        else:
+            roots = manifest.RootsParts(state_dir, cat)
+            held = roots.data["digest"] if roots.digest is not None else None
+            part = roots.saved_part
+        confirmed.record_apply(state_dir, cat, done, digests[cat], held, part, now)
+    shas = _digests(confirm.get("master_config"))
+    if shas is not None:
+        values = {key: mopts.get(key) for key in shas}
+        for op in ops.get("master_config") or ():
+            if protocol.DROPIN_NAME not in ((ret.get("master_config") or {}).get("failed") or ()):
+                values.update({k: v for k, v in op["values"].items() if k in shas})
+        confirmed.record_config(state_dir, values, shas)
+
+
 def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
-           pull_token, pull_chunks, keys_digest, expect, config_keys, after):
+           pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm):
     status = {}
     if expect is not None:
         held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
@@ -801,7 +935,10 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         if app.puller is not None and ops is None:
             ops = validate.ops(app.puller.ops())
         ops = ops or {}
-        ret = apply_categories(app, ops, topology, fetch)
+        held = held_back(ops, restart)
+        ret = apply_categories(app, {c: o for c, o in ops.items() if c not in held}, topology,
+                               fetch)
+        ret.update(held)
     except BaseException:
         app.batch.abort()  # no temporary file left behind
         raise
@@ -811,10 +948,13 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     app.commit()
     if "minion_keys" in ops:
         update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
-    # once the job has returned: keys Salt demoted meanwhile put back, then
-    # the history record (a listing of every key dir the apply changed)
+    # once the job has returned: keys Salt demoted meanwhile put back, the
+    # record of what this peer holds in step with the primary, then the
+    # history record (a listing of every key dir the apply changed)
     work = [functools.partial(keep_accepted, mopts, ops["minion_keys"])] \
         if "minion_keys" in ops else []
+    work.append(functools.partial(record_confirmed, mopts, state_dir, ops, ret, keys_digest,
+                                  confirm))
     if isinstance(keys_digest, dict):
         work.append(functools.partial(record_history, mopts, state_dir, keys_digest))
     if work and after is None:
@@ -822,10 +962,13 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     elif work:
         after(functools.partial(_run_all, work))
     daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
+    # a key taken out of minions/: this master rotates its AES key, as salt-key does
+    rotation = revocation.after_apply(mopts, ret["minion_keys"]) if "minion_keys" in ops else {}
     for cat in ops:
         ret[cat] = outcome(ret[cat])
     ret["restart"] = restart() if daemon_changed else None
     ret["backup"] = app.backup_root if app.backed_up else None
+    ret.update(rotation)
     try:
         pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
         if pruned:
@@ -877,9 +1020,12 @@ def restore(mopts, state_dir, backup_name, test, restart):
     ret = {"result": True, "backup_restored": os.path.basename(source), "restored": [],
            "errors": []}
     app = None if test else Applier(mopts, state_dir, None)
+    refused = restart.why_refused() if getattr(restart, "refused", None) else None
     for rel in backup.items(source):
         try:
             target, mode = restore_target(mopts, rel)
+            if refused and rel.split("/", 1)[0] in DAEMON_CATEGORIES:
+                raise PeerError(refused)
             if app is not None:
                 with open(os.path.join(source, rel), "rb") as fh:
                     data = fh.read()
@@ -897,5 +1043,74 @@ def restore(mopts, state_dir, backup_name, test, restart):
         daemon_files = any(r.split("/", 1)[0] in ("master_keys", "master_config")
                            for r in ret["restored"])
         ret["restart"] = restart() if daemon_files else None
+    elif hasattr(restart, "predict") and any(
+            r.split("/", 1)[0] in DAEMON_CATEGORIES for r in ret["restored"]):
+        ret["restart"] = restart.predict()
     ret["result"] = not ret["errors"]
+    return ret
+
+
+# ---------------------------------------------------------------------------
+# Failback: the contents of what this peer changed, for the primary
+# ---------------------------------------------------------------------------
+#: what one collect returns at most: the primary asks in batches below it.
+#: A return is an event on the primary's bus, trimmed past its
+#: ``max_event_size`` (1 MiB by default), and sealed content travels base64.
+COLLECT_MAX_BYTES = 512 * 1024
+
+
+def _collect_path(mopts, cat, fields):
+    """Where this peer holds the item, confined to its pki_dir or roots."""
+    if cat == "minion_keys":
+        if fields["state"] not in manifest.KEY_STATES or not manifest.valid_minion_id(
+                fields["id"]):
+            raise PeerError("not a minion key")
+        return fsutil.safe_join(mopts["pki_dir"], f"{fields['state']}/{fields['id']}")
+    roots = (mopts.get(cat) or {}).get(fields["env"])
+    if not roots:
+        raise PeerError(f"saltenv {fields['env']!r} is not configured here")
+    fsutil.safe_join(roots[0], fields["rel"])  # validates the path
+    found = manifest.locate_confined(roots, fields["rel"])
+    if not found:
+        raise PeerError("not found")
+    return found
+
+
+def collect(mopts, items, receiver, reply_pub):
+    """
+    The contents of ``items`` (:func:`protocol.item_name`: minion keys and
+    roots files), each sealed to ``reply_pub`` (the primary's master public
+    key) for ``receiver`` (its id): what ``multimaster.failback`` carries
+    from this peer to the primary.  Returns ``{"items": {item: {"sha256",
+    "size", "mode", "sealed"}}, "errors": [...]}``; an item it cannot read
+    or that lies outside its pki_dir or roots is an error, never read.
+    Changes nothing.
+    """
+    ret = {"items": {}, "errors": []}
+    total = 0
+    for item in items:
+        try:
+            cat, fields = protocol.parse_item(item)
+            if cat not in ("minion_keys", "file_roots", "pillar_roots"):
+                raise PeerError("only minion keys and roots files are collected")
+            path = _collect_path(mopts, cat, fields)
+            if os.path.getsize(path) > COLLECT_MAX_BYTES:
+                raise PeerError(f"larger than {COLLECT_MAX_BYTES // 1024} KiB, more than a "
+                                "return carries: copy it to the primary by hand, or keep it")
+            with open(path, "rb") as fh:
+                data = fh.read()
+            total += len(data)
+            if total > COLLECT_MAX_BYTES:
+                raise PeerError(f"past {COLLECT_MAX_BYTES // 1024} KiB in one collect: ask "
+                                "again")
+            st = os.stat(path)
+            sha = manifest.key_sha(data) if cat == "minion_keys" else \
+                hashlib.sha256(data).hexdigest()
+            ret["items"][item] = {"sha256": sha, "size": len(data),
+                                  "mode": fsutil.safe_mode(st.st_mode & 0o7777),
+                                  "sealed": seal.seal(reply_pub, data, receiver,
+                                                      f"failback/{item}")}
+        except (PeerError, OSError, fsutil.PathError, protocol.ProtocolError,
+                seal.SealError, ValueError) as exc:
+            ret["errors"].append(f"{item}: {exc}")
     return ret

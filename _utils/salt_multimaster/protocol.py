@@ -88,12 +88,13 @@ def open_request(private_pem, receiver, fun, sealed):
 # ---------------------------------------------------------------------------
 REQUESTS = {
     "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "test",
-                                   "rescan", "minion_ids"),
+                                   "rescan", "minion_ids", "epoch"),
     "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
-                               "expect", "config_keys", "keys_digest"),
-    "multimaster_peer.restore": ("backup_name", "test"),
+                               "expect", "config_keys", "keys_digest", "confirm", "epoch"),
+    "multimaster_peer.restore": ("backup_name", "test", "epoch"),
     "multimaster_peer.rotate_key": ("topology", "keypair", "restart_only", "restart_cmd", "test",
                                     "backup_keep"),
+    "multimaster_peer.collect": ("items", "reply_to", "reply_pub", "epoch"),
 }
 
 
@@ -129,6 +130,7 @@ REPLIES = {
     "multimaster_peer.apply": ("the apply", "backup"),
     "multimaster_peer.restore": ("the restore", "restored"),
     "multimaster_peer.rotate_key": ("the key rotation", "restart"),
+    "multimaster_peer.collect": ("the collect", "items"),
 }
 
 

@@ -14,6 +14,9 @@ DEFAULT_CONFIG_KEYS = ("nodegroups", "external_auth", "publisher_acl", "peer", "
 # Salt checks rejected, then pending, then accepted: write before remove so a
 # key moving between states is never briefly absent (a new, pending key).
 WRITE, REMOVE = "write", "remove"
+# Key states in which a master refuses an id (rejected) or a key (denied):
+# a sync never moves a key out of them to accepted on a peer, unless forced.
+REVOKED_STATES = ("minions_rejected", "minions_denied")
 
 
 # A pull reply carries at most about this much content, or this many items:
@@ -68,8 +71,9 @@ def plan_keys(primary, peer, history, force=False, damaged=None):
 
     A peer key with the same id and other content is a conflict (left alone
     unless ``force``); a key only on the peer and never received from the
-    primary is a conflict too (kept unless ``force``); a key the primary
-    deleted or moved is removed from its old state on the peer.
+    primary is a conflict too (kept unless ``force``); so is a key the
+    primary accepts that the peer revoked (:func:`revoked_on_peer`); a key
+    the primary deleted or moved is removed from its old state on the peer.
 
     ``damaged``: ``{state_dir: [minion_id]}`` of keys the primary holds
     but cannot read or use; these ids are never removed from the peer (even
@@ -90,8 +94,10 @@ def plan_keys(primary, peer, history, force=False, damaged=None):
     for mid in sorted(primary_ids):
         want = primary_ids[mid]
         have = peer_ids.get(mid, {})
-        foreign = {s for s, sha in have.items() if sha not in want.values()}
-        if foreign and not force:
+        revoked = [] if force else revoked_on_peer(want, have)
+        report["conflicts"].extend(revoked_conflict(state, mid) for state in revoked)
+        foreign = {s for s, sha in have.items() if sha not in want.values()} - set(revoked)
+        if (foreign or revoked) and not force:
             for state in sorted(foreign):
                 report["conflicts"].append(
                     f"{state}/{mid}: the peer holds a different key for this id "
@@ -128,6 +134,30 @@ def plan_keys(primary, peer, history, force=False, damaged=None):
                 )
     ops.sort(key=lambda op: op["op"] != WRITE)
     return ops, report
+
+
+def revoked_on_peer(want, have):
+    """
+    The states in which the peer revoked a key the primary accepts
+    (``want``/``have``: ``{state_dir: sha256}`` of one id on each side),
+    which a sync would undo: the id rejected on the peer (Salt refuses a
+    rejected id whatever its key), or the very key the primary accepts
+    denied there.  Left as conflicts unless ``force``.
+    """
+    if "minions" not in want:
+        return []
+    return [state for state in REVOKED_STATES if state in have and have[state] != want.get(state)
+            and (state == "minions_rejected" or have[state] == want["minions"])]
+
+
+def revoked_conflict(state, mid):
+    """The conflict of a key the primary accepts that the peer revoked (``state`` there)."""
+    how = {"minions_rejected": ("rejected", "--include-rejected"),
+           "minions_denied": ("denied", "--include-denied")}[state]
+    return (f"{state}/{mid}: revoked on this peer master ({how[0]} there) while the primary "
+            f"accepts it: left {how[0]}; reject it on the primary too (salt-key -r {mid} "
+            f"--include-accepted), or accept it again on this peer (salt-key -a {mid} "
+            f"{how[1]}), or sync with force=True")
 
 
 def plan_tree(primary, peer, peer_envs=None, primary_envs=None, damaged=None):

@@ -43,11 +43,14 @@ def _category_lines(res, test, verbose):
             if items:
                 word = WOULD[kind] if test else kind
                 parts.append(f"{len(items)} {word}: {names(items, verbose)}")
-        lines.append(f"  {cat:<14}" + ("; ".join(parts) if parts else "in sync"))
-        for kind in ("conflicts", "errors", "warnings"):
+        lines.append(f"  {cat:<14}" + ("; ".join(parts) if parts else
+                                       "kept as the peer changed it" if rep.get("peer_changed")
+                                       else "in sync"))
+        for kind, label in (("peer_changed", "peer changed"), ("conflicts", "conflict"),
+                            ("errors", "error"), ("warnings", "warning")):
             items = rep.get(kind) or []
             shown = items if verbose else items[:SHOW]
-            lines.extend(f"    {kind[:-1]}: {item}" for item in shown)
+            lines.extend(f"    {label}: {item}" for item in shown)
             if len(items) > len(shown):
                 lines.append(f"    ... and {len(items) - len(shown)} more {kind}")
     return lines
@@ -76,10 +79,15 @@ def sync_rows(ret, test=False, verbose=False):
         for key in ("warnings", "primary_errors"):
             for item in res.get(key) or []:
                 lines.append(f"  {key[:-1].replace('_', ' ')}: {item}")
+        for key, where in (("rebuilt", "on the peer"), ("primary_rebuilt", "on the primary")):
+            for item in res.get(key) or []:
+                lines.append(f"  damaged {where}, rebuilt: {item}")
         if res.get("restart"):
             lines.append(f"  restart: {res['restart']}")
         if res.get("backup"):
             lines.append(f"  backup: {res['backup']}")
+        if res.get("aes_rotation"):
+            lines.append(f"  AES key rotation: {res['aes_rotation']}")
         rows[_label(rows, peer)] = "\n".join(lines)
     if "error" in ret and not counts["peers"]:
         rows["error"] = ret["error"]
@@ -150,5 +158,72 @@ def restore_rows(ret, test=False):
         rows[_label(rows, peer)] = "\n".join(lines)
     if "error" in ret and not rows:
         rows["error"] = ret["error"]
+    rows["retcode"] = ret.get("retcode", 0)
+    return rows
+
+
+STEP_STATUS = {True: "ok", False: "FAILED", None: "would do"}
+
+
+def steps_done(ret):
+    """
+    A command reported in steps: ``result`` from its steps (one that failed
+    fails it), ``retcode`` 1 then.
+    """
+    ret["result"] = all(step["result"] is not False for step in ret["steps"].values())
+    if not ret["result"]:
+        ret["retcode"] = 1
+    return ret
+
+
+def failback_rows(ret, verbose=False):
+    """The rows of ``multimaster.failback``'s return (:func:`steps_rows`)."""
+    return steps_rows(ret, ret.get("peer", ""), verbose)
+
+
+def steps_rows(ret, title, verbose=False):
+    """
+    The rows of a command reported in steps (``multimaster.failback``,
+    ``multimaster.promote``): ``title``, then one row per step with its
+    status, comment and items (a sync's per peer), the next steps, then
+    ``result`` and ``retcode``.
+    """
+    if "steps" not in ret:
+        return {"error": ret.get("error"), "retcode": ret.get("retcode", 0)}
+    rows = {"title": title + (": test run, nothing changed" if ret.get("test") else "")}
+    for name, step in ret["steps"].items():
+        lines = [f"{STEP_STATUS[step['result']]}: {step.get('comment', '')}"]
+        for key, label in (("carry", "carry"), ("keep", "keep"), ("config", "option"),
+                           ("remedy", "to do"), ("errors", "error")):
+            items = step.get(key) or []
+            shown = items if verbose else items[:10]
+            lines.extend(f"  {label}: {item}" for item in shown)
+            if len(items) > len(shown):
+                lines.append(f"  ... and {len(items) - len(shown)} more")
+        for status, ids in sorted((step.get("minions") or {}).items()):
+            lines.append(f"  {status:<13}{names(ids, verbose)}")
+        if name == "primary":
+            for cat, rep in sorted((step.get("changes") or {}).items()):
+                for kind in ("updated", "removed"):
+                    if rep.get(kind):
+                        lines.append(f"  {cat:<14}{'written' if kind == 'updated' else kind}: "
+                                     f"{names(rep[kind], verbose)}")
+            if step.get("backup"):
+                lines.append(f"  backup: {step['backup']}")
+        elif name in ("peer", "sync") and step.get("changes"):
+            changes = step["changes"]
+            if name == "peer":
+                changes = {title: changes}
+            detail = sync_rows(changes, False, verbose)
+            for peer, text in detail.items():
+                if peer in ("summary", "retcode", "error"):
+                    continue
+                lines.append(f"  {peer}: {text.splitlines()[0]}")
+                lines.extend(f"  {line}" for line in text.splitlines()[1:])
+        rows[_label(rows, name)] = "\n".join(lines)
+    if ret.get("next_steps"):
+        rows["next"] = "\n".join(f"- {line}" for line in ret["next_steps"])
+    rows["result"] = ("NOT done" if not ret.get("result") else
+                      "planned (test run)" if ret.get("test") else "done")
     rows["retcode"] = ret.get("retcode", 0)
     return rows

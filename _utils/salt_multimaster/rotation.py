@@ -34,7 +34,7 @@ import time
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from salt_multimaster import backup, daemon, finger, fsutil, layout, seal
+from salt_multimaster import backup, daemon, finger, fsutil, layout, seal, statefile
 
 log = logging.getLogger(__name__)
 
@@ -184,31 +184,48 @@ def as_list(value):
     return [str(value)]
 
 
-def restart_primary(mopts, restart_cmd, systemd_booted):
+def restart_primary(mopts, restart_cmd, systemd_booted, started=None):
     """
     Restart the master this runs on (options ``mopts``), in the background:
     ``restart_cmd``, else ``systemctl restart salt-master`` where systemd
     runs; the restart marker is written first (:func:`daemon.mark_restart`).
     Returns ``"restarting"`` or ``"restart_required"`` (nothing could
-    restart it).
+    restart it).  ``started(proc)``, when given, is called with the
+    command's process (:func:`command_failure`).
     """
     daemon.mark_restart(mopts, os.path.join(layout.state_dir(mopts), daemon.RESTART_MARKER))
     cmd = restart_cmd or ("systemctl restart salt-master" if systemd_booted else None)
     if not cmd:
         return "restart_required"
     # its own session: the restart outlives this salt-run
-    subprocess.Popen(  # pylint: disable=consider-using-with
+    proc = subprocess.Popen(  # pylint: disable=consider-using-with
         cmd, shell=True, cwd="/", start_new_session=True, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if started is not None:
+        started(proc)
     return "restarting"
+
+
+def command_failure(proc):
+    """
+    Why the restart command ``proc`` (a ``Popen``, or None) failed: its exit
+    status once it exited non-zero, else None (running, done, or killed by
+    a signal, as a restart may kill it).
+    """
+    code = proc.poll() if proc is not None else None
+    if code is None or code <= 0:
+        return None
+    return f"its restart command {proc.args!r} exited {code}"
 
 
 def restart_remedy(name, restart):
     """The error of a master step whose restart did not happen or not in time."""
     if restart == "restart_required":
         return (f"{name}'s salt-master holds its new key but must restart to serve it and no "
-                "service manager restarted it (set multimaster:master_restart_cmd, or restart "
-                "it yourself); then run salt-run multimaster.rotate_key again")
+                "service manager restarted it (set the minion option "
+                f"multimaster.master_restart_cmd on {name}'s host, or multimaster:"
+                "master_restart_cmd for every master, or restart it yourself); then run "
+                "salt-run multimaster.rotate_key again")
     return (f"{name}'s salt-master was asked to restart but does not serve its new key yet "
             f"({restart}): check it (service status, its log), start it, then run "
             "salt-run multimaster.rotate_key again")
@@ -225,14 +242,22 @@ def stage_keypair(state_dir, bits):
     0700 dir under the primary's state dir) and reused by a re-run.
     """
     path = stage_dir(state_dir)
-    fsutil.makedirs(path, mode=fsutil.KEY_DIR_MODE)
+    statefile.makedirs(path, state_dir, mode=fsutil.KEY_DIR_MODE)
     os.chmod(path, fsutil.KEY_DIR_MODE)
     pem, pub = os.path.join(path, "master.pem"), os.path.join(path, "master.pub")
-    if os.path.isfile(pem) and os.path.isfile(pub):
-        with open(pem, "rb") as fh:
-            priv = fh.read()
-        with open(pub, "rb") as fh:
-            return priv, fh.read()
+    try:
+        priv, pubdata = statefile.read_bytes(pem), statefile.read_bytes(pub)
+        if (priv is None) != (pubdata is None) or (priv is not None and not (
+                b"PRIVATE KEY-----" in priv and b"-----BEGIN PUBLIC KEY-----" in pubdata)):
+            raise statefile.Damaged(path, "not a whole PEM keypair")
+    except statefile.Damaged as exc:
+        # some masters may hold it already: never replaced by another one here
+        raise RotationError(
+            f"the staged keypair {exc}: the rotation cannot go on with it; check which "
+            "master serves which key (salt-run multimaster.status replicate=master_keys), "
+            "then run salt-run multimaster.rotate_key fresh=True") from None
+    if priv is not None:
+        return priv, pubdata
     priv, pubdata = gen_keypair(bits)
     fsutil.atomic_write(pem, priv, mode=fsutil.PRIVATE_KEY_MODE)
     fsutil.atomic_write(pub, pubdata, mode=0o644)
@@ -272,19 +297,34 @@ def new_record(topology, peers, primary):
     }
 
 
+def _valid_record(record):
+    return isinstance(record, dict) and isinstance(record.get("topology"), str) and isinstance(
+        record.get("steps"), list) and isinstance(record.get("state"), dict) and all(
+        isinstance(record["state"].get(step), dict) for step in record["steps"])
+
+
 def load_record(state_dir):
-    """The rotation in progress (a dict), or None."""
+    """
+    The rotation in progress (a dict), or None.  A damaged record is an
+    unfinished rotation whose steps are unknown: :class:`RotationError`
+    naming it and what to do (never a fresh start behind the operator's back).
+    """
+    path = os.path.join(state_dir, RECORD_NAME)
     try:
-        with open(os.path.join(state_dir, RECORD_NAME), encoding="utf-8") as fh:
-            record = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and not record.get("done") else None
+        record = statefile.read(path, valid=_valid_record)
+    except statefile.Damaged as exc:
+        statefile.notice(path, exc.why, "rotate_key refused until it is replaced")
+        raise RotationError(
+            f"the rotation record {exc}: what an unfinished rotation did is unknown; check "
+            "which master serves which key (salt-run multimaster.status "
+            "replicate=master_keys), then run salt-run multimaster.rotate_key fresh=True "
+            "(a new record replaces it)") from None
+    return record if record is not None and not record.get("done") else None
 
 
 def save_record(state_dir, record):
-    fsutil.atomic_write(os.path.join(state_dir, RECORD_NAME),
-                        json.dumps(record, indent=1, sort_keys=True), mode=0o600)
+    statefile.write(os.path.join(state_dir, RECORD_NAME),
+                    json.dumps(record, indent=1, sort_keys=True))
 
 
 def resumable(record, topology, peers, primary):
@@ -370,6 +410,9 @@ class SaltOps:
     restart_primary(restart_cmd)
         Restart this master (:func:`restart_primary`): ``"restarting"`` or
         ``"restart_required"``.
+    restart_failed()
+        Why the last restart command of this master failed
+        (:func:`command_failure`), None while it runs or when it did not.
     primary_serving()
         ``(serving, detail)`` of this master's daemon (:func:`serving`).
     reconnect_events()
@@ -379,10 +422,12 @@ class SaltOps:
     """
 
     def __init__(self, opts, *, call_peer, minions, status, restart_primary, primary_serving,
-                 reconnect_events, sleep=time.sleep, monotonic=time.monotonic):
+                 reconnect_events, restart_failed=lambda: None, sleep=time.sleep,
+                 monotonic=time.monotonic):
         self.opts = opts
         self.call_peer, self.minions, self.status = call_peer, minions, status
         self.restart_primary, self.primary_serving = restart_primary, primary_serving
+        self.restart_failed = restart_failed
         self.reconnect_events = reconnect_events
         self.sleep, self.monotonic = sleep, monotonic
 
@@ -424,7 +469,10 @@ class Rotation:
         or a new one, the pre-checks' errors, the plan.  Writes nothing.
         """
         self.fresh = fresh
-        record = None if fresh else load_record(self.state_dir)
+        try:
+            record = None if fresh else load_record(self.state_dir)
+        except RotationError as exc:
+            return refused(f"multimaster.rotate_key: {exc}")
         if record:
             reason = resumable(record, self.topology, self.peers, self.primary)
             if reason:
@@ -619,6 +667,10 @@ class Rotation:
                 if is_primary:
                     self.salt.reconnect_events()
                 return None
+            failed = self.salt.restart_failed() if is_primary else None
+            if failed:
+                # the service manager said no: no use waiting for the rest
+                return restart_remedy(name, f"{failed}: {detail}")
         return restart_remedy(name, f"after {self.restart_wait} s: {detail}")
 
     def _primary(self, step):

@@ -18,7 +18,7 @@ unit tests run the real peer over temp dirs.
 import concurrent.futures
 import logging
 
-from salt_multimaster import fsutil, protocol
+from salt_multimaster import compat, epoch, fsutil, outage, protocol, statefile
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ class Rounds:
         # the primary's caches, saved once the first publish is out (the
         # peers work meanwhile)
         self.later = fsutil.Later()
+        # this primary's epoch, in every request: a peer promoted away from
+        # it refuses it
+        self.claim = epoch.claim(opts, conf.get("configured_peers") or conf["peers"],
+                                 conf.get("topology"))
 
     # ----- asking the peers ------------------------------------------------
     def read_primary(self, categories, saved=None):
@@ -73,12 +77,12 @@ class Rounds:
         conf = self.conf
         if ids is not None:
             request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
-                                       minion_ids=ids, test=self.test)
+                                       minion_ids=ids, test=self.test, epoch=self.claim)
         else:
             request = protocol.request(
                 "multimaster_peer.inventory", categories=categories, digests=digests,
                 topology=conf["topology"], config_keys=conf["master_config_keys"],
-                test=self.test, rescan=conf["rescan"] or None)
+                test=self.test, rescan=conf["rescan"] or None, epoch=self.claim)
         job = self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
         self.later.run()
         return job
@@ -122,13 +126,13 @@ class Rounds:
         return primary, invs
 
     # ----- applying ----------------------------------------------------------
-    def apply(self, peer, ops, primary, how, keys_digest=None, expect=None):
+    def apply(self, peer, ops, primary, how, keys_digest=None, expect=None, confirm=None):
         """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
         conf, opts = self.conf, self.opts
         chunks = core.attach_contents(opts, peer, ops, primary, how) if ops else None
         kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
                                  backup_keep=conf["backup_keep"], keys_digest=keys_digest,
-                                 expect=expect,
+                                 expect=expect, confirm=confirm, epoch=self.claim,
                                  config_keys=conf["master_config_keys"] if expect else None)
         token = None
         if chunks is not None:
@@ -177,7 +181,9 @@ class Rounds:
         does not hold what was expected.
         """
         conf, test = self.conf, self.test
-        ops, plan_report = core.plan(conf["topology"], categories, primary, inv, self.force)
+        found = []
+        ops, plan_report = core.plan(conf["topology"], categories, primary, inv, self.force,
+                                     found)
         ops = {c: o for c, o in ops.items() if o}
         targeted = "ids" in (primary.get("minion_keys") or {})
         if expect is not None and not ops and not targeted:
@@ -195,9 +201,12 @@ class Rounds:
         keys = inv.get("minion_keys") or {}
         keys_digest = (primary["minion_keys"].get("digest")
                        if "minion_keys" in categories else None)
+        confirm = None if targeted else outage.confirm_digests(primary, categories)
         if not test and (ops or expect is not None
-                         or (keys_digest and keys.get("history_recorded") is False)):
-            applied, error = self.apply(peer, ops, primary, how, keys_digest, expect)
+                         or (keys_digest and keys.get("history_recorded") is False)
+                         or (not targeted and (outage.stale(inv, categories, primary)
+                                               or outage.converged(found)))):
+            applied, error = self.apply(peer, ops, primary, how, keys_digest, expect, confirm)
             if error:
                 ret["result"] = False
                 ret["error"] = error
@@ -208,14 +217,17 @@ class Rounds:
             if "inventory" in applied:
                 return applied["inventory"]
             core.merge(plan_report, applied)
-            for key in ("restart", "backup"):
+            for key in ("restart", "backup", "aes_rotation"):
                 if applied.get(key):
                     ret[key] = applied[key]
+            if applied.get("rebuilt"):
+                ret["rebuilt"] = list(applied["rebuilt"])
             if expect is not None:
                 # the peer's master as the peer found it before applying
                 inv = dict(inv, **{k: applied.get(k) for k in
-                                   ("master_running", "master_address", "restart_pending")})
-        return core.finish(peer, ret, inv, categories)
+                                   ("master_running", "master_address", "restart_pending",
+                                    "master_restart")})
+        return core.finish(peer, ret, inv, categories, test=test)
 
     def sync_remembered(self, peer, categories, primary, held):
         """
@@ -328,9 +340,18 @@ class Rounds:
             return res
 
         ret = {}
+        # each peer in a copy of this context: the damaged state files met
+        # there are noted with this sync's (statefile.noticing)
+        contexts = [compat.copy_context() for _ in peers]
         with concurrent.futures.ThreadPoolExecutor(
                 max_workers=min(MAX_PARALLEL, len(peers))) as pool:
-            for peer, res in zip(peers, pool.map(one, peers)):
+            for peer, res in zip(peers, pool.map(lambda ctx, peer: ctx.run(one, peer),
+                                                 contexts, peers)):
                 ret[peer] = core.damaged_verdict(res, primary)
                 self.salt.progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
+        self.later.run()
+        rebuilt = statefile.noticed()
+        for res in ret.values():
+            if rebuilt:
+                res["primary_rebuilt"] = rebuilt
         return ret

@@ -18,8 +18,8 @@ import secrets
 import shutil
 import time
 
-from salt_multimaster import (daemon, fsutil, grants, layout, manifest, protocol, replicate, seal,
-                              watch)
+from salt_multimaster import (daemon, fsutil, grants, layout, manifest, outage, protocol,
+                              replicate, seal, statefile, watch)
 
 log = logging.getLogger(__name__)
 
@@ -215,28 +215,37 @@ def peer_buckets(cat, primary, theirs):
     return need, peer_man, history
 
 
-def plan(topology, categories, primary, inv, force):
+def plan(topology, categories, primary, inv, force, found_all=None):
     """
     ``({category: ops}, {category: report})`` making the peer whose
     inventory is ``inv`` mirror ``primary`` (:func:`read_primary`, or
-    :func:`read_primary_keys` for a targeted sync).
+    :func:`read_primary_keys` for a targeted sync).  ``force``: a bool, or
+    ``{category: item names}`` forced (:func:`outage.forced`).
+    ``found_all``: a list given every item the peer changed since its last
+    sync (:func:`outage.classify`).
     """
     ops, report = {}, {}
     for cat in categories:
         theirs = inv.get(cat) or {}
         entry = primary[cat]
+        found = []
+        keep = outage.forced(force, cat)
         if cat == "minion_keys" and "ids" in entry:
             # targeted: the peer's keys of these ids, all of them detailed
-            cat_ops, rep = replicate.plan_keys(entry["manifest"], theirs.get("manifest") or {},
-                                               theirs.get("history"), force,
-                                               damaged=entry["damaged"])
+            mine, peer_man, found = outage.classify(
+                cat, entry["manifest"], theirs.get("manifest") or {}, theirs.get("record"), keep)
+            cat_ops, rep = outage.plan_keys(mine, peer_man, theirs.get("history"), force,
+                                            damaged=entry["damaged"])
         elif cat in BUCKETED:
             # only the buckets where the peer differs are compared
             need, peer_man, history = peer_buckets(cat, primary, theirs)
             mine = manifest.merge(_parts(entry), need) if need else {}
+            # what the peer changed since it last confirmed: left in place
+            mine, peer_man, found = outage.classify(cat, mine, peer_man, theirs.get("record"),
+                                                    keep)
             if cat == "minion_keys":
-                cat_ops, rep = replicate.plan_keys(mine, peer_man, history, force,
-                                                   damaged=entry.get("damaged"))
+                cat_ops, rep = outage.plan_keys(mine, peer_man, history, force,
+                                                damaged=entry.get("damaged"))
             else:
                 cat_ops, rep = replicate.plan_tree(
                     mine, peer_man, theirs.get("envs"), primary_envs=entry["envs"],
@@ -244,16 +253,25 @@ def plan(topology, categories, primary, inv, force):
         elif cat == "master_keys":
             cat_ops, rep = replicate.plan_master_keys(entry["manifest"], theirs, topology)
         else:
-            cat_ops, rep = replicate.plan_master_config(entry["manifest"], theirs)
+            values, found = outage.classify_config(entry["manifest"], theirs,
+                                                   inv.get("config_record"), keep)
+            cat_ops, rep = replicate.plan_master_config(values, theirs)
+        outage.report(rep, found)
+        if found_all is not None:
+            found_all.extend(found)
         rep["errors"].extend(theirs.get("errors") or [])
         ops[cat], report[cat] = cat_ops, rep
     return ops, report
 
 
 def drift(report, categories):
-    """Counts of what a sync would change, per category."""
-    return {cat: {k: len(report[cat][k]) for k in ("added", "updated", "removed", "conflicts")}
-            for cat in categories}
+    """Counts of what a sync would change, per category, and of what it would leave."""
+    ret = {}
+    for cat in categories:
+        ret[cat] = {k: len(report[cat][k]) for k in ("added", "updated", "removed", "conflicts")}
+        if report[cat].get(outage.PEER_CHANGED):
+            ret[cat][outage.PEER_CHANGED] = len(report[cat][outage.PEER_CHANGED])
+    return ret
 
 
 def status_categories(categories):
@@ -408,10 +426,15 @@ def grant(opts, peer, ops, chunks):
     contents cut in ``chunks``; return the token naming the grant.
     """
     token = secrets.token_hex(16)
-    fsutil.makedirs(pull_dir(opts), mode=0o700)
     body = {"peer": peer, "expires": time.time() + PULL_TTL, "ops": ops, "chunks": chunks}
-    fsutil.atomic_write(os.path.join(pull_dir(opts), token), json.dumps(body), mode=0o600)
+    statefile.write(os.path.join(pull_dir(opts), token), json.dumps(body),
+                    root=layout.state_dir(opts))
     return token
+
+
+def _valid_grant(body):
+    return isinstance(body, dict) and isinstance(body.get("peer"), str) and isinstance(
+        body.get("expires"), (int, float)) and isinstance(body.get("chunks"), list)
 
 
 def revoke(opts, token, jid_dir):
@@ -454,10 +477,9 @@ def serve_pull(opts, request, caller, jid):
     """
     try:
         token, index = protocol.open_pull_request(request)
-        with open(os.path.join(pull_dir(opts), token), encoding="utf-8") as fh:
-            body = json.load(fh)
+        body = statefile.read(os.path.join(pull_dir(opts), token), _valid_grant)
         items = body["chunks"][index]
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (statefile.Damaged, ValueError, KeyError, TypeError, IndexError):
         return {"error": "unknown or malformed pull request"}
     if body["peer"] != caller or body["expires"] < time.time():
         log.warning("multimaster: pull refused for %s", caller)
@@ -525,18 +547,74 @@ def unconfirmed(ret, categories):
             rep["unconfirmed"] = items
 
 
-def finish(peer, ret, inv, categories):
+def finish(peer, ret, inv, categories, test=False):
     """
     The outcome of one peer's sync from what its inventory (or conditional
-    apply) said of its master: a restart still required, its master down.
+    apply) said of its master: a restart still required (or whose command
+    failed), its master down; in ``test`` mode, the restart a real run would
+    make (:func:`predict_restart`).
     """
+    if test:
+        predict_restart(ret, inv.get("master_restart"))
+    # what the peer found damaged and rebuilt, in its inventory and its apply
+    rebuilt = list(inv.get("rebuilt") or []) + [
+        r for r in ret.get("rebuilt") or [] if r not in (inv.get("rebuilt") or [])]
+    if rebuilt:
+        ret["rebuilt"] = rebuilt
     if inv.get("restart_pending") and not ret.get("restart"):
         # keys or config written by an earlier sync, and the master not restarted since
         ret["restart"] = "restart_required"
+        failed = restart_failed(peer, inv.get("master_restart"))
+        if failed:
+            ret["error"] = failed
     if inv.get("master_running") is False:
         # synced, yet no replica in service: say so, and fail the run
         ret["error"] = daemon.not_running_error(peer, inv.get("master_address"))
     return verdict(peer, ret, categories)
+
+
+def _planned_daemon_items(ret):
+    """``{category: [item]}`` the report writes that the peer's master loads on restart only."""
+    return {cat: [i for kind in ("added", "updated") for i in ret[cat][kind]]
+            for cat in ("master_keys", "master_config")
+            if isinstance(ret.get(cat), dict) and (ret[cat]["added"] or ret[cat]["updated"])}
+
+
+def predict_restart(ret, how):
+    """
+    test mode: the restart of the peer's salt-master a real run would make
+    after writing master keys or options, from what the peer said of it
+    (``how``: its inventory's ``master_restart``, absent from an older
+    peer): ``would restart``, ``restart_required`` (would be: nothing
+    restarts it there), or, for a configured command that cannot run there,
+    each of those items an error (the real run refuses to write them).
+    """
+    planned = _planned_daemon_items(ret)
+    if not planned or not isinstance(how, dict):
+        return
+    if how.get("refused"):
+        for cat, items in planned.items():
+            for kind in ("added", "updated"):
+                ret[cat][kind] = []
+            ret[cat]["errors"].extend(f"{item}: {how['refused']}" for item in items)
+        return
+    ret["restart"] = ("would restart" if how.get("possible")
+                      else "would be required (no service manager; set the minion option "
+                           "multimaster.master_restart_cmd there)")
+
+
+def restart_failed(peer, how):
+    """
+    The error of a peer whose master still runs older keys or config after
+    its restart command ran and failed (``how``: its inventory's
+    ``master_restart``), or None.
+    """
+    if not isinstance(how, dict) or how.get("last_status") in (None, 0):
+        return None
+    return (f"{peer}'s salt-master must restart to load the new master keys or config: its "
+            f"restart command {how.get('cmd')!r} exited with status {how['last_status']} "
+            f"(see the log of {peer}'s salt-minion): fix the minion option "
+            "multimaster.master_restart_cmd there, or restart it yourself")
 
 
 def verdict(peer, ret, categories):
@@ -548,12 +626,19 @@ def verdict(peer, ret, categories):
     reasons = [ret["error"]] if ret.get("error") else []
     errors = sum(len(ret[c]["errors"]) for c in categories if isinstance(ret.get(c), dict))
     conflicts = sum(len(ret[c]["conflicts"]) for c in categories if isinstance(ret.get(c), dict))
+    changed = sum(len(ret[c].get(outage.PEER_CHANGED) or ()) for c in categories
+                  if isinstance(ret.get(c), dict))
     if errors and not reasons:
         reasons.append(f"{errors} item(s) failed (see errors)")
+    if changed:
+        reasons.append(f"{changed} item(s) changed on {peer} since its last sync, left there "
+                       f"(see peer_changed): salt-run multimaster.failback peer={peer} carries "
+                       "them to the primary, force=True puts the primary's back")
     if conflicts:
         reasons.append(f"{conflicts} conflict(s) left on {peer} (see conflicts; force=True "
                        "replaces or removes them)")
-    if ret.get("restart") == "restart_required":
+    if ret.get("restart") == "restart_required" and not any(
+            r.startswith(f"{peer}'s salt-master must restart") for r in reasons):
         reasons.append(f"{peer}'s salt-master must restart to load the new master keys or "
                        "config (no service manager restarted it): restart it")
     if reasons:
@@ -598,20 +683,25 @@ def _memory_path(opts, peer):
     return os.path.join(layout.state_dir(opts), "peers", f"{peer}.json")
 
 
+def _valid_memory(held):
+    """Whether a peer's memory has the shape :func:`remember` saves."""
+    return isinstance(held, dict) and all(
+        cat in replicate.CATEGORIES and isinstance(entry, dict)
+        and (cat not in BUCKETED or isinstance(entry.get("digest"), dict))
+        for cat, entry in held.items())
+
+
 def _memory(opts, peer):
     """What ``peer`` was last confirmed to hold, as saved: a dict, maybe empty."""
-    try:
-        with open(_memory_path(opts, peer), encoding="utf-8") as fh:
-            held = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return held if isinstance(held, dict) else {}
+    # damaged: nothing known, the peer is asked (a second round)
+    return statefile.load(_memory_path(opts, peer), "what the peer holds is asked again",
+                          default={}, valid=_valid_memory)
 
 
 def _save_memory(opts, peer, held):
-    fsutil.makedirs(os.path.dirname(_memory_path(opts, peer)), mode=0o700)
     # a stale or lost record costs a second round: the apply is conditional on it
-    fsutil.atomic_write(_memory_path(opts, peer), json.dumps(held), mode=0o600, durable=False)
+    statefile.write(_memory_path(opts, peer), json.dumps(held), durable=False,
+                    root=layout.state_dir(opts))
 
 
 def remembered(opts, peer, categories):
@@ -641,7 +731,8 @@ def remember(opts, peer, categories, primary, inv, ret):
         rep = ret.get(cat)
         entry = (primary or {}).get(cat) or {}
         clean = (isinstance(rep, dict) and not rep.get("errors") and not rep.get("conflicts")
-                 and not rep.get("unconfirmed") and ("digest" in entry or "manifest" in entry)
+                 and not rep.get("unconfirmed") and not rep.get(outage.PEER_CHANGED)
+                 and ("digest" in entry or "manifest" in entry)
                  and not entry.get("damaged") and "ids" not in entry)
         if not clean:
             held.pop(cat, None)
@@ -793,6 +884,7 @@ def remember_targeted(opts, peer, held, primary, ret, inv):
         return
     clean = (inv is not None and ret.get("result") and isinstance(rep, dict)
              and not rep.get("errors") and not rep.get("conflicts") and not rep.get("unconfirmed")
+             and not rep.get(outage.PEER_CHANGED)
              and not entry.get("damaged") and not primary.get("errors"))
     if not clean:
         forget(opts, peer, ["minion_keys"])

@@ -8,6 +8,7 @@ naming the input, or returns the normalized value.  Plain Python: no Salt
 dunders, nothing touches disk.
 """
 
+import difflib
 import math
 import re
 
@@ -106,18 +107,31 @@ def delay(name, value, maximum=MAX_DELAY):
     return int(number)
 
 
-def known_kwargs(kwargs, allowed, fun):
+def known_kwargs(kwargs, allowed, fun=None):
     """
     Refuse keyword arguments ``fun`` does not know (a misspelt ``tset=True``
-    must not run a real sync).  Keys starting with ``__`` are Salt's own
-    (``__pub_user``, ``__pub_jid``, ``__kwarg__``...) and pass.
+    must not run a real sync), naming every accepted one (``allowed``) and
+    the closest match of each unknown one::
+
+        unknown argument peer: did you mean peers? (accepted: force, only, peers, ...)
+
+    Keys starting with ``__`` are Salt's own (``__pub_user``, ``__pub_jid``,
+    ``__kwarg__``...) and pass.
     """
     unknown = sorted(str(k) for k in kwargs if not str(k).startswith("__") and k not in allowed)
-    if unknown:
-        raise InvalidInput(
-            f"{fun}: unknown argument(s) {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(allowed))})"
-        )
+    if not unknown:
+        return
+    names = sorted(set(allowed))
+    guesses = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+    if len(unknown) == 1:
+        (key,) = unknown
+        what = f"unknown argument {key}" + (f": did you mean {guesses[key][0]}?"
+                                            if guesses[key] else "")
+    else:
+        what = "unknown arguments " + ", ".join(
+            k + (f" (did you mean {guesses[k][0]}?)" if guesses[k] else "") for k in unknown)
+    prefix = f"{fun}: " if fun else ""
+    raise InvalidInput(f"{prefix}{what} (accepted: {', '.join(names) or 'none'})")
 
 
 def conf_mapping(value, name="multimaster"):

@@ -67,6 +67,8 @@ import sys
 import termios
 import time
 
+from salt_multimaster import statefile
+
 log = logging.getLogger(__name__)
 
 # <sys/inotify.h>
@@ -716,17 +718,19 @@ def _listen(sock_path):
     """
     A listening unix socket at ``sock_path``, mode 0600 whatever the umask
     (chmod before ``listen``: nobody connects in between); a stale socket
-    there is removed first, anything else there is ``FileExistsError``.
-    Returns the socket and the ``(st_dev, st_ino)`` of its file.
+    there is removed first, anything else there (a damaged state file) is
+    moved aside (``statefile.aside``: kept, never removed).  Returns the
+    socket and the ``(st_dev, st_ino)`` of its file.
     """
     try:
         st = os.lstat(sock_path)
     except FileNotFoundError:
         pass
     else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise FileExistsError(errno.EEXIST, "exists and is not a socket", sock_path)
-        os.unlink(sock_path)
+        if stat.S_ISSOCK(st.st_mode):
+            os.unlink(sock_path)
+        else:
+            statefile.aside(sock_path, "not a socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         with _short(sock_path) as short:

@@ -65,21 +65,28 @@ def minion_conf(minion_root, masters):
     )
 
 
-@pytest.fixture
-def loaders(minion_root, minion_conf):
-    """
-    Salt's loaders for a fresh temporary minion, with this repository's
-    modules; a new one per test (nothing carries over between tests).
-    """
-    conf_dir = minion_root / "conf"
+def _fresh_minion(minion_root, minion_conf):
+    """Empty config, pki, cache, states and pillar dirs; the main config file written."""
     for name in ("conf", "pki", "cache", "states", "pillar"):
         shutil.rmtree(minion_root / name, ignore_errors=True)
         (minion_root / name).mkdir()
+    conf_dir = minion_root / "conf"
     (conf_dir / "minion.d").mkdir()
     (conf_dir / "minion").write_text(minion_conf)
-    opts = salt.config.minion_config(str(conf_dir / "minion"), minion_id="func-minion")
+    return conf_dir / "minion"
+
+
+@pytest.fixture(scope="module")
+def module_loaders(minion_root, minion_conf):
+    """
+    Salt's loaders for the temporary minion, with this repository's modules,
+    built once per module (building them syncs and loads everything, a few
+    seconds); ``loaders`` gives each test a fresh state of them.
+    """
+    conf_file = _fresh_minion(minion_root, minion_conf)
+    opts = salt.config.minion_config(str(conf_file), minion_id="func-minion")
     opts.update({
-        "conf_file": str(conf_dir / "minion"),
+        "conf_file": str(conf_file),
         "pki_dir": str(minion_root / "pki"),
         "cachedir": str(minion_root / "cache"),
         "extension_modules": str(minion_root / "cache" / "extmods"),
@@ -92,6 +99,20 @@ def loaders(minion_root, minion_conf):
         "multiprocessing": False,
     })
     return Loaders(opts, loaded_base_name=f"{__name__}.loaded")
+
+
+@pytest.fixture
+def loaders(module_loaders, minion_root, minion_conf):
+    """
+    Salt's loaders for a fresh temporary minion, a new state per test
+    (nothing carries over between tests): the minion's dirs emptied and its
+    config file rewritten, then every loader rebuilt from the options the
+    module started with (``reload_all``: the context and the cache dir
+    cleared, grains, pillar and modules loaded anew).
+    """
+    _fresh_minion(minion_root, minion_conf)
+    module_loaders.reload_all()
+    return module_loaders
 
 
 @pytest.fixture

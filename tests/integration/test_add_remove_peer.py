@@ -50,8 +50,7 @@ def grow(cluster_factory, repo_tree, mm_root):
     # the operator's first step: the new master in the pillar the formula reads
     write_pillar(pillar_root, [minion.id], [cluster.primary_ip, cluster.peer_ip], cluster.marker)
     start_primary_only(cluster)
-    for m in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, m.id)
+    assert cluster.wait_pings(cluster.primary, cluster.all_minions)
     ret = cluster.salt(cluster.primary, "saltutil.refresh_pillar", "wait=True",
                        minion_tgt=minion.id, timeout=120)
     assert ret.returncode == 0, ret

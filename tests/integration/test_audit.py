@@ -11,6 +11,7 @@ after its next restart): most faults are planted as a ``minion.d`` drop-in
 while the minion runs, then removed.
 """
 
+import concurrent.futures
 import contextlib
 import os
 import pathlib
@@ -51,13 +52,13 @@ def cluster(cluster_factory):
     finger = cluster.master_fingerprint(cluster.primary)
     for master in cluster.masters:
         cluster.write_contract_pillar(master, PILLAR_MINIONS, expected, finger)
-    for minion in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
+    assert cluster.wait_pings(cluster.primary, cluster.all_minions)
     # every Minion object of every minion (the audit reads the pillar the
-    # job's own master compiled for it)
-    for each in cluster.all_minions:
-        ret = cluster.refresh_pillar(cluster.primary, each)
-        assert ret.returncode == 0, ret
+    # job's own master compiled for it), the minions at once
+    with concurrent.futures.ThreadPoolExecutor(len(cluster.all_minions)) as pool:
+        for ret in pool.map(lambda each: cluster.refresh_pillar(cluster.primary, each),
+                            cluster.all_minions):
+            assert ret.returncode == 0, ret
     cluster.expected = expected
     cluster.finger = finger
     yield cluster
@@ -447,8 +448,7 @@ def test_fleet_report_through_the_peer(cluster):
     # every minion lists every master, the peer's own minion included
     # (docs/layout.rst): all of them answer the peer
     peer = cluster.peers[0]
-    for daemon in cluster.all_minions:
-        assert cluster.wait_ping(peer, daemon.id)
+    assert cluster.wait_pings(peer, cluster.all_minions)
     ret = cluster.salt_run(peer, "multimaster.audit", "--out=json")
     assert ret.returncode == 0, ret
     assert ret.data["master"] == peer.id

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.cluster import gen_keypair, wait_until
+from tests.support.cluster import gen_keypair, log_tail, wait_until
 
 pytestmark = pytest.mark.daemons
 
@@ -120,9 +120,17 @@ def _staged_anywhere(cluster):
     return any(os.path.isdir(p) and os.listdir(p) for p in _stage_leftovers(cluster))
 
 
+def _failed(cluster, out, err):
+    """A failed sync's output with the primary's and the peer minion's log tails (a string)."""
+    if isinstance(out, bytes):
+        out, err = out.decode(errors="replace"), err.decode(errors="replace")
+    return "\n".join([out, err[-3000:], "primary log:", *log_tail(cluster.primary),
+                      "peer minion log:", *log_tail(cluster.peer_minions[0])])
+
+
 def _in_step(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", ONLY)
-    assert ret.returncode == 0, ret
+    assert ret.returncode == 0, _failed(cluster, ret.stdout, ret.stderr)
     assert cluster.keys(cluster.peers[0]) == cluster.keys(cluster.primary)
     return ret
 
@@ -173,16 +181,26 @@ def test_killed_sync_grants_and_their_job_cache_entries_go_once_expired(cluster)
     finally:
         _kill_tree(proc.pid)
         proc.communicate()
-    # the peer goes on pulling and applying: wait for it to finish
+    # the peer goes on pulling and applying: wait for it to finish, and for
+    # the job cache entries of the pulls the grant recorded
     assert wait_until(lambda: (cluster.file_root(cluster.peers[0]) / "grt" / "01999").exists(),
                       deadline=300, step=0.5)
-    time.sleep(2)
-    tokens = sorted(n for n in os.listdir(pull_dir) if not n.endswith(".jids"))
-    assert len(set(tokens) - before) == 1, tokens
-    jids = [j for t in tokens if (pull_dir / f"{t}.jids").exists()
-            for j in (pull_dir / f"{t}.jids").read_text().split()]
     jobs = cluster.job_cache(cluster.primary)
-    stored = [p.parent for p in jobs.glob("*/*/jid") if p.read_text().strip() in jids]
+
+    def recorded():
+        tokens = sorted(n for n in os.listdir(pull_dir) if not n.endswith(".jids"))
+        jids = [j for t in tokens if (pull_dir / f"{t}.jids").exists()
+                for j in (pull_dir / f"{t}.jids").read_text().split()]
+        stored = [p.parent for p in jobs.glob("*/*/jid") if p.read_text().strip() in jids]
+        return tokens, jids, stored
+
+    def settled():
+        _, jids, stored = recorded()
+        return len(stored) == len(jids) >= 2
+
+    assert wait_until(settled, deadline=60, step=0.2), recorded()
+    tokens, jids, stored = recorded()
+    assert len(set(tokens) - before) == 1, tokens
     assert len(stored) == len(jids) >= 2, (jids, stored)
     # grants still valid stay: a sync within their ten minutes keeps them
     _in_step(cluster)
@@ -218,7 +236,7 @@ def test_concurrent_syncs_do_the_work_once(cluster):
         assert first.poll() is None, "the first sync ended too soon for this test"
         second = _start_sync(cluster, ONLY, "lock_wait=300")  # waits for the first
         code, data, out, err = _finish(first)
-        assert code == 0, (out, err)
+        assert code == 0, _failed(cluster, out, err)
         assert len(data[pm.id]["file_roots"]["added"]) == 2000
         assert len(data[pm.id]["minion_keys"]["added"]) == 2000
         code, data, out, err = _finish(second)
@@ -226,7 +244,7 @@ def test_concurrent_syncs_do_the_work_once(cluster):
         for proc in (first, locals().get("second")):
             if proc is not None and proc.poll() is None:
                 _kill_tree(proc.pid)
-    assert code == 0, (out, err)
+    assert code == 0, _failed(cluster, out, err)
     # the second found the work done
     for cat in ("minion_keys", "file_roots", "pillar_roots"):
         for kind in ("added", "updated", "removed"):
@@ -294,6 +312,12 @@ def test_rescan_finds_files_changed_behind_the_stat_cache(cluster):
     ret = _in_step(cluster)
     assert ret.data[pm.id]["file_roots"]["updated"] == []  # not seen: the documented trade-off
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", ONLY, "rescan=True")
+    # seen: an edit of the peer since its last sync, named and left there
+    assert ret.returncode != 0, ret
+    assert ret.data[pm.id]["file_roots"]["peer_changed"] == [
+        "base:same.sls: edited on the peer since its last sync (kept)"], ret.data[pm.id]
+    assert theirs.read_text() == "value: 2222\n"
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", ONLY, "rescan=True", "force=True")
     assert ret.returncode == 0, ret
     assert ret.data[pm.id]["file_roots"]["updated"] == ["base:same.sls"], ret.data[pm.id]
     assert theirs.read_text() == "value: 1111\n"

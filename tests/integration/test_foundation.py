@@ -69,5 +69,4 @@ def test_minion_still_answers_through_peer_when_primary_stops(cluster):
     finally:
         cluster.primary.start()
     # as the next test finds it: every minion answering the primary again
-    for daemon in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, daemon.id)
+    assert cluster.wait_pings(cluster.primary, cluster.all_minions)

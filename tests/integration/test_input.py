@@ -96,8 +96,14 @@ def test_host_specific_master_config_refused(cluster, key):
     ("force=maybe", "force must be a boolean (True/False, yes/no, 1/0), not 'maybe'"),
     ("test=sure", "test must be a boolean (True/False, yes/no, 1/0), not 'sure'"),
     ("rescan=always", "rescan must be a boolean (True/False, yes/no, 1/0), not 'always'"),
-    ("tset=True", "multimaster.sync: unknown argument(s) tset (known: backup_keep, inline_limit, "
-                  "master_config_keys, pull_min_files, replicate, rescan, timeout, topology)"),
+    ("tset=True", "multimaster.sync: unknown argument tset: did you mean test? (accepted: "
+                  "backup_keep, force, inline_limit, lock_wait, master_config_keys, minion_ids, "
+                  "only, peers, pull_min_files, replicate, rescan, test, timeout, topology, "
+                  "verbose)"),
+    ("peer=inp-peer1", "multimaster.sync: unknown argument peer: did you mean peers? (accepted: "
+                       "backup_keep, force, inline_limit, lock_wait, master_config_keys, "
+                       "minion_ids, only, peers, pull_min_files, replicate, rescan, test, "
+                       "timeout, topology, verbose)"),
     ("minion_ids=", "minion_ids is empty (''): name the minions whose keys to sync, or leave "
                     "minion_ids out for a full sync"),
     ("only=", "only is empty (''): name the categories to sync, or leave only out"),

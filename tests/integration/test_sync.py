@@ -49,8 +49,7 @@ def cluster(cluster_factory):
     _set_master_conf(cluster.primary, {"multimaster": {
         "peers": peers, "inline_limit": 1024, "pull_min_files": 2}})
     cluster.start()
-    for pm in cluster.peer_minions:
-        assert cluster.wait_ping(cluster.primary, pm.id)
+    assert cluster.wait_pings(cluster.primary, cluster.peer_minions)
     yield cluster
     cluster.stop()
 
@@ -408,27 +407,31 @@ def test_a_change_sync_is_one_publish_per_peer(cluster):
         assert (cluster.pki_dir(peer) / "minions" / "onepub").exists()
         assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 1\n"
 
-    # the first peer changed behind the primary's back: the fallback
+    # the first peer changed behind the primary's back: the fallback (its
+    # own change, made since its last sync, is left there and named)
     peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
     (cluster.file_root(peer0) / "local.sls").write_text("mine\n")
     (root / "one.sls").write_text("one: 2\n")
     before = _peer_jobs(cluster)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync")
-    assert ret.returncode == 0, ret
-    assert ret.data[pm0.id]["file_roots"]["removed"] == ["base:local.sls"], ret.data
+    assert ret.returncode != 0, ret
+    assert ret.data[pm0.id]["file_roots"]["removed"] == [], ret.data
+    assert ret.data[pm0.id]["file_roots"]["peer_changed"] == [
+        "base:local.sls: added on the peer since its last sync (kept)"], ret.data
     for pm in cluster.peer_minions:
         assert ret.data[pm.id]["file_roots"]["updated"] == ["base:one.sls"], ret.data
     # peer0: the conditional apply (refused), then the apply; peer1: one apply
     new = _new_jobs(cluster, before)
     assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 3}, new
     for peer in cluster.peers:
-        assert not (cluster.file_root(peer) / "local.sls").exists()
         assert (cluster.file_root(peer) / "one.sls").read_text() == "one: 2\n"
         assert cluster.keys(peer) == cluster.keys(cluster.primary)
+    assert (cluster.file_root(peer0) / "local.sls").exists()
     (pki / "minions" / "onepub").unlink()
     (root / "one.sls").unlink()
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync")
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "force=True")
     assert ret.returncode == 0, ret
+    assert not (cluster.file_root(peer0) / "local.sls").exists()
     # nothing changed since: one inventory per peer checks it, and no apply
     # (the peers' key dirs changed a moment ago, their history record holds)
     before = _peer_jobs(cluster)
@@ -533,9 +536,12 @@ def test_conflicts_are_reported_and_forced(cluster):
     (ppki / "minions" / "acc1").write_bytes(other)
     (ppki / "minions" / "peeronly").write_bytes(gen_keypair(1024)[1])
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}", "only=minion_keys")
+    assert ret.returncode != 0, ret
     res = ret.data[pm.id]
-    assert any(c.startswith("minions/acc1:") for c in res["minion_keys"]["conflicts"]), res
-    assert any(c.startswith("minions/peeronly:") for c in res["minion_keys"]["conflicts"]), res
+    # changed on the peer since its last sync: named, left in place
+    assert sorted(res["minion_keys"]["peer_changed"]) == [
+        "minions/acc1: another key on the peer since its last sync (kept)",
+        "minions/peeronly: accepted on the peer since its last sync (kept)"], res
     assert (ppki / "minions" / "acc1").read_bytes() == other
     assert (ppki / "minions" / "peeronly").exists()
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", f"peers={pm.id}",
@@ -586,25 +592,39 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
         assert res["minion_keys"]["removed"] == ["minions/tgt1"], res
         assert (pathlib.Path(res["backup"]) / "minion_keys" / "minions" / "tgt1").exists()
         assert not (cluster.pki_dir(peer) / "minions" / "tgt1").exists()
+        # the peer's master rotates its AES key, as salt-key does
+        assert res["aes_rotation"] == "requested", res
     new = _new_jobs(cluster, before)
     assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
 
     # the key deleted on the first peer behind the primary's back, accepted
     # again on the primary: that peer answers the conditional apply with its
-    # keys of the id and converges in a second apply; the other, one apply
+    # keys of the id: changed on both sides since its last sync, a conflict
+    # left in place; the other keeps the key rejected (a sync never accepts
+    # again a key rejected on a peer); force=True settles both
     peer0, pm0 = cluster.peers[0], cluster.peer_minions[0]
     (cluster.pki_dir(peer0) / "minions_rejected" / "tgt1").unlink()
     (pki / "minions_rejected" / "tgt1").rename(pki / "minions" / "tgt1")
     before = _peer_jobs(cluster)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
+    assert ret.returncode != 0, ret
+    assert ret.data[pm0.id]["minion_keys"]["added"] == [], ret.data
+    assert [c.split(":")[0] for c in ret.data[pm0.id]["minion_keys"]["conflicts"]] == [
+        "minions_rejected/tgt1"], ret.data
+    res = ret.data[cluster.peer_minions[1].id]
+    assert res["result"] is False and res["minion_keys"]["added"] == [], res
+    assert res["minion_keys"]["conflicts"][0].startswith(
+        "minions_rejected/tgt1: revoked on this peer master"), res
+    assert (cluster.pki_dir(cluster.peers[1]) / "minions_rejected" / "tgt1").exists()
+    new = _new_jobs(cluster, before)
+    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
+    assert not (cluster.pki_dir(peer0) / "minions" / "tgt1").exists()
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1", "force=True")
     assert ret.returncode == 0, ret
     assert ret.data[pm0.id]["minion_keys"]["added"] == ["minions/tgt1"], ret.data
-    assert ret.data[pm0.id]["minion_keys"]["removed"] == [], ret.data
     res = ret.data[cluster.peer_minions[1].id]
     assert res["minion_keys"]["added"] == ["minions/tgt1"], res
     assert res["minion_keys"]["removed"] == ["minions_rejected/tgt1"], res
-    new = _new_jobs(cluster, before)
-    assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 3}, new
     for peer in cluster.peers:
         assert (cluster.pki_dir(peer) / "minions" / "tgt1").read_bytes() == (
             pki / "minions" / "tgt1").read_bytes()

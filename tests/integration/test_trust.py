@@ -34,8 +34,7 @@ def cluster(cluster_factory):
         "peers": [m.id for m in cluster.peer_minions],
         "master_config_keys": ["nodegroups", "publisher_acl", "external_auth"]}})
     cluster.start()
-    for minion in cluster.all_minions:
-        assert cluster.wait_ping(cluster.primary, minion.id)
+    assert cluster.wait_pings(cluster.primary, cluster.all_minions)
     yield cluster
     cluster.stop()
 

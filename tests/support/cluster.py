@@ -22,7 +22,9 @@ keys: keys are pre-seeded (``seed_key``) the way an operator pre-seeds them, or
 accepted with ``salt-key`` by the test.
 """
 
+import collections
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -34,12 +36,14 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import salt.config
 import salt.defaults.events
 import salt.payload
 import salt.utils.event
 import salt.utils.yaml
+import salt.version
 from pytestshellutils.exceptions import FactoryTimeout
 from salt_multimaster.rotation import gen_keypair  # noqa: F401  (the product's own; tests import it from here)
 
@@ -140,6 +144,100 @@ def master_key_paths(pki_dir):
     )
 
 
+# Where a session's daemon time goes (printed at the end of a pytest run, see
+# tests/conftest.py): {what: [count, seconds]}.
+SPENT = {}
+
+
+def _spent(what, began):
+    entry = SPENT.setdefault(what, [0, 0.0])
+    entry[0] += 1
+    entry[1] += time.monotonic() - began
+
+
+# master_alive_interval of the tests' minions on Salt 3007 (Cluster._minion).
+MASTER_ALIVE_3007 = 10
+
+# How often a start looks for the daemon's start event (salt-factories'
+# own check looks every 1.5 s: on average most of a second lost per start).
+START_POLL = 0.1
+
+
+def _no_check_events():
+    return []
+
+
+def _wait_started(daemon, patterns, after, timeout):
+    """
+    Wait until ``daemon`` (started at ``after``, a ``time.time()``) sent the
+    start events ``patterns`` (salt-factories' own start check, polled every
+    :data:`START_POLL` seconds).
+    """
+    patterns = set(patterns)
+    end = time.monotonic() + timeout
+    while patterns:
+        if not daemon.is_running():
+            raise RuntimeError(f"{daemon} is no longer running")
+        patterns -= {(event.daemon_id, event.tag)
+                     for event in daemon.event_listener.get_events(patterns, after_time=after)}
+        if patterns and time.monotonic() > end:
+            raise RuntimeError(f"{daemon} sent no {sorted(patterns)} within {timeout} s")
+        if patterns:
+            time.sleep(START_POLL)
+
+
+def _kill_tree(daemon):
+    """
+    SIGKILL ``daemon`` and every process it started (salt-factories kills
+    the daemon, then sends its orphaned children a SIGTERM they take a
+    second to act on: a salt-master has a dozen).
+    """
+    pid = getattr(daemon, "pid", None)
+    if not pid or not daemon.is_running():
+        return
+    try:
+        main = psutil.Process(pid)
+        family = [main, *main.children(recursive=True)]
+    except psutil.Error:
+        return
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def _timed(daemon, role):
+    """
+    Count the time ``daemon``'s start and terminate take (whoever calls them)
+    in SPENT; a start returns once the daemon's start event arrived
+    (:func:`_wait_started`), unless a test replaced ``get_check_events``.
+    """
+    start, terminate = daemon.start, daemon.terminate
+    check_events = daemon.get_check_events
+    daemon.get_check_events = _no_check_events
+
+    def timed_start(*args, **kwargs):
+        began, after = time.monotonic(), time.time()
+        try:
+            ret = start(*args, **kwargs)
+            if daemon.get_check_events is _no_check_events:
+                _wait_started(daemon, check_events(), after, daemon.start_timeout)
+            return ret
+        finally:
+            _spent(f"{role} starts", began)
+
+    def timed_terminate(*args, **kwargs):
+        began = time.monotonic()
+        try:
+            if not daemon.slow_stop:
+                _kill_tree(daemon)
+            return terminate(*args, **kwargs)
+        finally:
+            _spent(f"{role} stops", began)
+
+    daemon.start, daemon.terminate = timed_start, timed_terminate
+    return daemon
+
+
 def _each(fn, daemons):
     """``fn(daemon)`` for every daemon at once (threads); the first error raised, after all ended."""
     daemons = list(daemons)
@@ -180,6 +278,14 @@ class Cluster:
             # salt-factories serves files in 8 KiB chunks; a real master uses
             # Salt's default (1 MiB): keep what users run
             "file_buffer_size": salt.config.DEFAULT_MASTER_OPTS["file_buffer_size"],
+            # a salt-master's start is CPU-bound: each of its worker_threads
+            # builds its loaders, and each loader set computes the host's
+            # grains (salt-run's too): 10-12 s of CPU a master start with
+            # Salt's 5 workers and the grains computed, 4.6-6.1 s with 3 workers
+            # (the least Salt allows with ``peer``) and the grains cached
+            # (docs/development.rst)
+            "worker_threads": 3,
+            "grains_cache": True,
         }
         base.update(master_overrides or {})
         primary_conf = dict(base, interface=f"{self.prefix}.2")
@@ -190,7 +296,7 @@ class Cluster:
             on_auth_event_callback=_noop_auth_event,
             start_timeout=120,
         )
-        self._env(self.primary)
+        _timed(self._env(self.primary), "master")
         self.peers = [
             factories.salt_master_daemon(
                 f"{name}-peer{i + 1}",
@@ -201,7 +307,7 @@ class Cluster:
             for i in range(peers)
         ]
         for peer in self.peers:
-            self._env(peer)
+            _timed(self._env(peer), "master")
         self.peer_minions = [
             self._minion(
                 f"{name}-peer{i + 1}",
@@ -234,7 +340,22 @@ class Cluster:
             "recon_max": 500,
             "recon_randomize": False,
             "log_level_logfile": "debug",
+            # a salt-minion computes its grains several times as it starts
+            # (for each master); cached, it computes them once and reads them
+            # back (for grains_cache_expiration, 5 minutes), restarts included
+            "grains_cache": True,
         }
+        if salt.version.__saltstack_version__.major == 3007:
+            # Salt 3007's minion watches its publish socket (zmq_monitor, on
+            # by default since 3007): when a master restarts it closes that
+            # master's channels and connects again; without the alive check
+            # (master_alive_interval, which the formula sets: 30 s) it often
+            # never answered the restarted master again (test_rotate_key,
+            # test_outage, test_formula's reactor fixture).  The tests'
+            # minions run as the formula configures them, with a shorter
+            # interval.  On 3006 (no monitor: zeromq reconnects by itself)
+            # and 3008 they reconnect without it.
+            overrides["master_alive_interval"] = MASTER_ALIVE_3007
         overrides.update(self.minion_overrides)
         overrides.update(extra)
         minion = self._env(
@@ -247,7 +368,7 @@ class Cluster:
         # manager wakes, and salt-factories waits up to 10 s for it (5 s a
         # stop on 3008, 12 s on 3007); no test needs a minion's clean exit
         minion.slow_stop = False
-        return minion
+        return _timed(minion, "minion")
 
     @property
     def masters(self):
@@ -294,44 +415,71 @@ class Cluster:
         os.chmod(dst_pki / "master.pem", 0o400)
         shutil.copyfile(pub, dst_pki / "master.pub")
 
-    # ----- lifecycle ----------------------------------------------------
-    def start(self, before_minions=None):
+    def seed_master_keys(self):
         """
-        Start primary, peers (sharing keys if asked), then all minions;
-        ``before_minions(cluster)`` runs once the masters are up.
+        One master keypair for every master (``share_master_keys``), placed
+        before any of them starts (as the seeds place it by hand): the
+        primary's own when it has one, else a new one written where a first
+        start finds it (``master.pem``/``master.pub``: Salt 3008 moves them to
+        ``<id>.pem``/``<id>.pub`` and links them at its first start, as for a
+        keypair it generates).  The masters then start at once.
+        """
+        pki = self.pki_dir(self.primary)
+        pki.mkdir(parents=True, exist_ok=True)
+        if not (pki / "master.pem").exists():
+            priv, pub = gen_keypair(salt.config.DEFAULT_MASTER_OPTS["keysize"])
+            (pki / "master.pem").write_bytes(priv)
+            os.chmod(pki / "master.pem", 0o400)
+            (pki / "master.pub").write_bytes(pub)
+        for peer in self.peers:
+            self.copy_master_keys(self.primary, peer)
+
+    # ----- lifecycle ----------------------------------------------------
+    def start(self, before_minions=None, before_masters=None):
+        """
+        Start every master at once (sharing one keypair if asked, placed
+        before the first start), then every minion at once;
+        ``before_masters(cluster)`` runs once the keys are placed, before any
+        daemon starts, ``before_minions(cluster)`` once the masters are up.
         """
         for minion in self.all_minions:
             self.seed_key(self.primary, minion)
             if self.accept_on_peers:
                 for peer in self.peers:
                     self.seed_key(peer, minion)
-        self.primary.start()
         if self.share_master_keys:
-            for peer in self.peers:
-                self.copy_master_keys(self.primary, peer)
-        _each(lambda peer: peer.start(), self.peers)
+            self.seed_master_keys()
+        if before_masters is not None:
+            before_masters(self)
+        _each(lambda master: master.start(), self.masters)
         if before_minions is not None:
             before_minions(self)
         _each(lambda minion: minion.start(), self.all_minions)
         return self
 
-    def running(self, minions=None, before_minions=None):
+    def running(self, minions=None, before_minions=None, before_masters=None):
         """
-        A module fixture's body, ``yield from cluster.running()``: started,
-        every minion (``minions``, default all, peer hosts' included)
-        answering the primary, stopped when the module is done.
+        A module fixture's body, ``yield from cluster.running()``: started
+        (:meth:`start`), every minion (``minions``, default all, peer hosts'
+        included) answering the primary, stopped when the module is done.
         """
-        self.start(before_minions=before_minions)
-        for minion in self.all_minions if minions is None else minions:
-            assert self.wait_ping(self.primary, minion.id)
+        self.start(before_minions=before_minions, before_masters=before_masters)
+        assert self.wait_pings(self.primary, self.all_minions if minions is None else minions)
         yield self
         self.stop()
 
     def stop(self):
         """
-        Stop every daemon for good: the minions at once (killed, see
-        :meth:`_minion`), then the masters at once.
+        Stop every daemon for good, killed (SIGKILL, children too): the
+        minions at once (see :meth:`_minion`), then the masters at once.  No
+        test looks at a daemon after this, and a salt-master's clean exit
+        took 2.5 s on 3006 (0.7 s on 3008) against well under a second
+        killed.  A master a test restarts stops cleanly, as a service
+        manager stops it.
         """
+        for master in self.masters:
+            master.slow_stop = False
+
         def terminate(daemon):
             try:
                 daemon.terminate()
@@ -390,12 +538,15 @@ class Cluster:
 
     def ping(self, master, minion_id, timeout=10):
         """True when ``minion_id`` answers test.ping through ``master``."""
+        began = time.monotonic()
         try:
             ret = self.salt(master, "test.ping", f"--timeout={timeout}",
                             minion_tgt=minion_id, timeout=timeout + 30)
         except FactoryTimeout:
-            return False
-        return ret.returncode == 0 and ret.data is True
+            ret = None
+        answered = ret is not None and ret.returncode == 0 and ret.data is True
+        _spent("pings answered" if answered else "pings not answered", began)
+        return answered
 
     def wait_ping(self, master, minion_id, deadline=90):
         """Ping until ``minion_id`` answers through ``master`` or ``deadline`` s pass."""
@@ -405,6 +556,31 @@ class Cluster:
                 return True
             time.sleep(1)
         return False
+
+    def wait_pings(self, master, minions, deadline=90):
+        """
+        :meth:`wait_ping` for several minions (daemons or ids) with one
+        ``test.ping`` per round, targeting those that have not answered
+        yet: True once every one answered through ``master``.
+        """
+        waiting = {getattr(m, "id", m) for m in minions}
+        end = time.time() + deadline
+        while waiting and time.time() < end:
+            began = time.monotonic()
+            try:
+                ret = self.salt(master, "test.ping", "--timeout=5", "-L",
+                                minion_tgt=",".join(sorted(waiting)), timeout=35)
+            except FactoryTimeout:
+                ret = None
+            data = ret.data if ret is not None else None
+            if len(waiting) == 1 and data is True:
+                data = {next(iter(waiting)): True}
+            if isinstance(data, dict):
+                waiting -= {mid for mid, answer in data.items() if answer is True}
+            _spent("pings not answered" if waiting else "pings answered", began)
+            if waiting:
+                time.sleep(1)
+        return not waiting
 
     # ----- reading a master's state ---------------------------------------
     @staticmethod
@@ -484,6 +660,20 @@ class Cluster:
     def log_since(self, daemon, offset):
         """What ``daemon`` logged after ``offset`` (bytes, as ``log_size`` gives)."""
         return self.log_files(daemon)[0].read_bytes()[offset:].decode(errors="replace")
+
+
+def log_tail(daemon, last=60, keep=lambda line: True):
+    """
+    The last ``last`` lines of ``daemon``'s log above DEBUG that ``keep``,
+    for failure messages (read line by line: a log may be hundreds of MB).
+    """
+    tail = collections.deque(maxlen=last)
+    with open(daemon.config["log_file"], encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if keep(line) and not any(level in line for level in ("[DEBUG", "[TRACE",
+                                                                  "[GARBAGE")):
+                tail.append(line.rstrip("\n"))
+    return list(tail)
 
 
 def wait_until(predicate, deadline=120, step=0.5):

@@ -12,7 +12,7 @@ import socket
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import manifest, peer, protocol, seal, sync, validate
+from salt_multimaster import manifest, peer, protocol, restart, seal, sync, validate
 from tests.support.cluster import gen_keypair
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
@@ -60,7 +60,8 @@ def _read_dropin(mopts):
             mopts.update(salt.utils.yaml.safe_load(fh))
 
 
-def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=False):
+def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=False,
+               restart=None):
     """One sync of m2 as the runner and the peer module run it; returns the report."""
     primary = sync.read_primary(primary_opts, list(CATS), "shared", CONFIG_KEYS)
     digests = sent if sent is not None else sync.current_digests(primary, CATS)
@@ -82,7 +83,7 @@ def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=Fals
                 for op in file_ops}
 
     applied = peer.apply(mopts, peer_state, ops, "shared", 10, unseal, fetch,
-                         lambda: "restart_required",
+                         restart or (lambda: "restart_required"),
                          keys_digest=primary["minion_keys"]["digest"])
     sync.merge(report, applied)
     return primary, ops, report, applied
@@ -366,7 +367,8 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
         "digest"] == _peer_digest(mopts, tmp_path)
 
-    # another key behind the primary's back: a conflict, forgotten
+    # another key behind the primary's back, since the peer last confirmed
+    # the primary's: kept and named (peer_changed), forgotten
     other = gen_keypair(1024)[1]
     (ppki / "minions" / web3).write_bytes(other)
     (pki / "minions" / "fresh4").write_bytes(gen_keypair(1024)[1])
@@ -375,7 +377,9 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert set(got) == {"backup", "inventory"}
     assert got["inventory"]["minion_keys"]["manifest"]["minions"] == {
         web3: manifest.key_sha(other)}
-    assert report["minion_keys"]["conflicts"][0].startswith(f"minions/{web3}:")
+    assert report["minion_keys"]["peer_changed"] == [
+        f"minions/{web3}: another key on the peer since its last sync (kept)"]
+    assert report["minion_keys"]["conflicts"] == []
     assert report["minion_keys"]["added"] == ["minions/fresh4"]
     assert (ppki / "minions" / web3).read_bytes() == other
     assert _held(primary_opts, "m2", ["fresh4"]) is None
@@ -408,3 +412,63 @@ def test_a_targeted_expectation_checks_the_key_history_too(pair):
             peer.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
                        expect=bad)
     assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
+
+
+def test_a_restart_command_that_cannot_run_holds_back_what_needs_it(pair):
+    """
+    The peer host's multimaster.master_restart_cmd names a program not
+    installed: master keys and options are not written (errors naming the
+    command, no restart marked); the other categories are applied.
+    test=True predicted exactly that from the inventory.
+    """
+    primary_opts, mopts, minion_priv, tmp_path = pair
+    (tmp_path / "m1" / "srv" / "top.sls").write_text("base: {}\n")
+    primary_opts["nodegroups"] = {"webs": "L@web1"}
+    marks, scripts = [], []
+    refused = restart.MasterRestart(
+        {"cachedir": str(tmp_path / "m2-minion"),
+         restart.MASTER_CMD_OPTION: "nosuch-init salt-master restart"},
+        lambda: marks.append(1), lambda script: scripts.append(script) or 1, lambda: True)
+    before = {n: (tmp_path / "m2" / "pki" / n).read_bytes() for n in ("master.pem", "master.pub")}
+
+    # test mode: the inventory says how the master would restart
+    primary = sync.read_primary(primary_opts, list(CATS), "shared", CONFIG_KEYS)
+    inv = peer.inventory(mopts, str(tmp_path / "m2-minion-state"), list(CATS),
+                         sync.current_digests(primary, CATS), "shared", CONFIG_KEYS)
+    inv["master_restart"] = refused.describe()
+    inv["master_running"] = True
+    _, plan_report = sync.plan("shared", CATS, primary, inv, False)
+    predicted = sync.finish("m2", dict(plan_report, result=True), inv, CATS, test=True)
+
+    _, _, report, applied = _roundtrip(primary_opts, mopts, minion_priv, tmp_path,
+                                       restart=refused)
+    why = refused.why_refused()
+    assert sorted(report["master_keys"]["errors"]) == [f"master.pem: {why}",
+                                                       f"master.pub: {why}"]
+    assert report["master_config"]["errors"] == [f"{protocol.DROPIN_NAME}: {why}"]
+    assert applied["restart"] is None and marks == [] and scripts == []
+    assert {n: (tmp_path / "m2" / "pki" / n).read_bytes() for n in before} == before
+    assert not os.path.exists(protocol.dropin_path(mopts))
+    assert (tmp_path / "m2" / "srv" / "top.sls").read_text() == "base: {}\n"
+    ret = sync.finish("m2", dict(report, result=True), inv, CATS)  # the real run
+    assert ret["result"] is False and ret["error"] == "3 item(s) failed (see errors)"
+    assert sorted(predicted["master_keys"]["errors"]) == sorted(report["master_keys"]["errors"])
+    assert predicted["master_config"]["errors"] == [f"nodegroups: {why}"]  # per option
+    for cat in ("master_keys", "master_config"):
+        assert predicted[cat]["added"] == predicted[cat]["updated"] == []
+    assert predicted["result"] is False and "restart" not in predicted
+
+    # a restart that can run: written, restarting; a restore of the old keys
+    # (their backup) needs the restart too: refused the same way, test=True too
+    _, _, report, applied = _roundtrip(primary_opts, mopts, minion_priv, tmp_path,
+                                       restart=lambda: "restarting")
+    assert applied["restart"] == "restarting" and not report["master_keys"]["errors"]
+    written = {n: (tmp_path / "m2" / "pki" / n).read_bytes() for n in before}
+    state = str(tmp_path / "m2-minion-state")
+    for test in (True, False):
+        ret = peer.restore(mopts, state, None, test, refused)
+        assert ret["result"] is False and ret["restored"] == [], ret
+        assert sorted(ret["errors"]) == [f"master_keys/master.pem: {why}",
+                                         f"master_keys/master.pub: {why}"]
+    assert {n: (tmp_path / "m2" / "pki" / n).read_bytes() for n in before} == written
+    assert marks == [] and scripts == []

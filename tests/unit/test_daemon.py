@@ -27,7 +27,10 @@ def master(tmp_path):
         pidfile.write_text(f"{proc.pid}\n")
         return proc
 
-    start.opts = {"pidfile": str(pidfile)}
+    (tmp_path / "pki").mkdir()
+    (tmp_path / "etc" / "master.d").mkdir(parents=True)
+    start.opts = {"pidfile": str(pidfile), "id": "m2", "pki_dir": str(tmp_path / "pki"),
+                  "conf_file": str(tmp_path / "etc" / "master")}
     start.marker = str(tmp_path / daemon.RESTART_MARKER)
     yield start
     for proc in procs:
@@ -95,9 +98,40 @@ def test_an_earlier_release_marker_compares_times(master):
 
 
 @pytest.mark.parametrize("text", ['{"master": "x"}', '{"master": [1]}', '"later"', "true",
-                                  "not json", ""])
-def test_a_damaged_marker_cannot_be_told(master, text):
-    master()
-    with open(master.marker, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    assert daemon.restart_pending(master.opts, master.marker) is None
+                                  "not json", "", b"\x95\xff", "a directory"])
+def test_a_damaged_marker_is_rebuilt_from_the_master_and_its_files(master, text, caplog):
+    """
+    Unknown, never "nothing pending": the running master against the files
+    it loads only when it starts (keys, the sync's drop-in), the marker
+    written again, the damage logged once.
+    """
+    proc = master()
+    keyfile = os.path.join(master.opts["pki_dir"], "master.pub")
+
+    def damage():
+        if os.path.isfile(master.marker):
+            os.unlink(master.marker)
+        if text == "a directory":
+            os.mkdir(master.marker)
+        else:
+            with open(master.marker, "wb") as fh:
+                fh.write(text if isinstance(text, bytes) else text.encode())
+
+    # a key written after the master started: pending, until it restarts
+    with open(keyfile, "w", encoding="utf-8") as fh:
+        fh.write("key")
+    os.utime(keyfile, (time.time() + 5, time.time() + 5))
+    damage()
+    assert daemon.restart_pending(master.opts, master.marker) is True
+    assert json.loads(open(master.marker, encoding="utf-8").read())["master"][0] == proc.pid
+    assert daemon.restart_pending(master.opts, master.marker) is True
+    _restart(master, proc)
+    assert daemon.restart_pending(master.opts, master.marker) is False
+    # every file older than the running master: not pending
+    os.utime(keyfile, (time.time() - 3600, time.time() - 3600))
+    damage()
+    assert daemon.restart_pending(master.opts, master.marker) is False
+    assert json.loads(open(master.marker, encoding="utf-8").read())["master"] is None
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"multimaster: {master.marker} is damaged ("), warned

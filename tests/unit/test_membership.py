@@ -16,6 +16,8 @@ import salt.config
 from salt_multimaster import daemon, membership, protocol
 from tests.conftest import REPO
 
+RESTART = "salt-call --local service.restart salt-master"
+
 
 def _conf_dir(tmp_path, main="", operator=None):
     conf = tmp_path / "etc"
@@ -73,8 +75,18 @@ def test_empty_dropin_is_removed_and_foreign_content_refused(tmp_path):
         membership.read_dropin(path)
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("multimaster: [unclosed\n")
-    with pytest.raises(membership.MembershipError, match="unreadable"):
+    with pytest.raises(membership.MembershipError, match=r"is damaged \(not YAML\): fix it, or "):
         membership.read_dropin(path)
+    with open(path, "wb") as fh:
+        fh.write(b"\xff\xfe peers")
+    with pytest.raises(membership.MembershipError, match=r"is damaged \(not UTF-8\)"):
+        membership.read_dropin(path)
+    os.unlink(path)
+    os.mkdir(path)  # a directory in its place: refused, named; a write moves it aside
+    with pytest.raises(membership.MembershipError, match=r"is damaged \(a directory\)"):
+        membership.read_dropin(path)
+    membership.write_dropin(path, ["master03"])
+    assert membership.read_dropin(path) == ["master03"]
 
 
 def test_peers_value_must_be_a_list():
@@ -238,8 +250,10 @@ class FakeSalt:
         self.opts = opts
         self.calls = []
         self.host = _host(interface="10.0.0.3")  # host_check's answer (None: none)
-        self.started_pids = []  # master_pid of the host checks after service.start
-        self.service = "'service.available' is not available."
+        self.started_pids = []  # master_pid of the host checks after the start
+        # the start: a service manager knows salt-master (True), none does
+        # (False), or multimaster_peer.restart_master's reply (a dict)
+        self.service = False
         self.accepted = ["master02", "master03", "web01", "web02"]
         self.audits = {"web01": ["10.0.0.1"], "web02": ["10.0.0.1"]}
         self.pillars = {"web01": {"multimaster": {"masters": ["10.0.0.1", "10.0.0.3"]}},
@@ -253,13 +267,14 @@ class FakeSalt:
         self.calls.append((fun, tgt))
         if fun == "multimaster_peer.host_check":
             host = self.host
-            if self.started_pids and ("service.start", tgt) in self.calls:
+            if self.started_pids and ("multimaster_peer.restart_master", tgt) in self.calls:
                 host = dict(host, master_pid=self.started_pids.pop(0))
             return {} if host is None else {tgt: host}
-        if fun == "service.available":
-            return {tgt: self.service}
-        if fun == "service.start":
-            return {tgt: True}
+        if fun == "multimaster_peer.restart_master":
+            if isinstance(self.service, dict):
+                return {tgt: self.service}
+            how = "restarting" if self.service is True else "restart_required"
+            return {tgt: {"result": how == "restarting", "restart": how, "cmd": RESTART}}
         if fun == "multimaster.audit":
             assert tgt_type == "list", tgt_type
             return {mid: {"masters": self.audits[mid], "findings": []}
@@ -396,11 +411,31 @@ def test_add_peer_configures_and_says_to_start_the_master(fake):
     assert ret["steps"]["sync"] == {"result": True, "comment": "replicated",
                                     "changes": fake.synced["master03"]}
     assert ret["steps"]["start"] == {"result": False, "comment": (
-        "start salt-master on master03 now (no service manager there knows salt-master): the "
-        "primary's master keys are in place; then salt-run multimaster.status peers=master03")}
+        "start salt-master on master03 now (no service manager there knows salt-master, and "
+        "no minion option multimaster.master_restart_cmd says how to start it): the primary's "
+        "master keys are in place; then salt-run multimaster.status peers=master03")}
     assert ret["steps"]["minions"] == MINIONS_ADD
     assert ret["result"] is False and ret["retcode"] == 1
-    assert ("service.start", "master03") not in fake.calls
+
+
+def test_add_peer_start_refused_by_the_peer_names_why(fake):
+    fake.service = {"result": False, "error": "multimaster_peer.restart_master: the "
+                    "salt-master could not restart to load it: ..."}
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret["steps"]["start"]["result"] is False
+    assert ret["steps"]["start"]["comment"].startswith(
+        "start salt-master on master03 now (multimaster_peer.restart_master: the salt-master "
+        "could not restart"), ret["steps"]["start"]
+
+
+def test_add_peer_check_refuses_a_restart_command_that_cannot_run(fake):
+    fake.host = dict(fake.host, master_restart={"refused": "the salt-master could not "
+                                                "restart to load it: ..."})
+    ret = membership.add_peer(fake.ops(), "master03")
+    assert ret["steps"] == {"check": {"result": False, "comment": (
+        "master03: nothing written, its salt-master cannot be (re)started by the command "
+        "configured there: the salt-master could not restart to load it: ...")}}
+    assert ret["retcode"] == 1 and not fake.sync_seen and not os.path.exists(fake.dropin)
 
 
 def test_add_peer_starts_the_master_and_waits_for_it(fake):
@@ -408,7 +443,7 @@ def test_add_peer_starts_the_master_and_waits_for_it(fake):
     fake.started_pids = [None, None, 4242]
     ret = membership.add_peer(fake.ops(), "master03")
     assert ret["steps"]["start"] == {"result": True, "comment": (
-        "salt-master started on master03 (pid 4242) with the primary's keys")}
+        f"salt-master started on master03 (pid 4242, {RESTART}) with the primary's keys")}
     assert ret["result"] is True and "retcode" not in ret
     assert fake.slept == [membership.PEER_START_POLL] * 2
 
@@ -417,8 +452,8 @@ def test_add_peer_gives_up_on_a_master_that_does_not_start(fake):
     fake.service = True
     ret = membership.add_peer(fake.ops(), "master03")
     assert ret["steps"]["start"] == {"result": False, "comment": (
-        f"salt-master on master03 did not start within {membership.PEER_START_WAIT} s: see its "
-        "log")}
+        f"salt-master on master03 did not start within {membership.PEER_START_WAIT} s "
+        f"({RESTART}): see its log")}
     assert sum(fake.slept) == membership.PEER_START_WAIT and ret["retcode"] == 1
 
 
@@ -538,7 +573,7 @@ def runner(fake, monkeypatch):
     ("add_peer", ["master09"], {}, "is not an accepted minion"),
     ("add_peer", ["master03"], {"test": "maybe"}, "test"),
     ("add_peer", ["master03"], {"timeout": "soon"}, "timeout"),
-    ("add_peer", ["master03"], {"tset": True}, "unknown argument(s) tset"),
+    ("add_peer", ["master03"], {"tset": True}, "unknown argument tset: did you mean test?"),
     ("remove_peer", ["master07"], {}, "'master07' is no peer of this primary"),
     ("remove_peer", ["master02"], {}, "listed in your own multimaster:peers"),
     ("remove_peer", ["master02"], {"force": "maybe"}, "force"),

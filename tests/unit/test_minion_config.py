@@ -208,7 +208,7 @@ def test_apply_refuses_and_writes_nothing(conf, tmp_path, monkeypatch):
 
 
 def test_apply_write_failure(conf, monkeypatch):
-    def disk_full(path, data, mode):
+    def disk_full(path, data, mode, durable=True):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(mc.fsutil, "atomic_write", disk_full)

@@ -42,7 +42,7 @@ def peer(tmp_path):
     mod.__context__ = {}
     mod.__salt__ = {}
     mod._master_opts = lambda: mopts
-    mod._restart_master = lambda: "restart_required"
+    mod._restart_master = lambda cmd=None: lambda: "restart_required"
     mod.tmp = tmp_path
     return mod
 

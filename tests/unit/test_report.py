@@ -88,3 +88,13 @@ def test_restore_rows():
               "  what was there is in backup: /c/backup/20261123T223800Z",
         "retcode": 0}
     assert report.restore_rows(ret, test=True)["m2"].startswith("would restore 1 file(s)")
+
+
+def test_sync_rows_name_the_damaged_state_files_rebuilt():
+    ret = {"m2": dict(_res(), result=True,
+                      rebuilt=["/c/multimaster/minion_keys_history.json: not UTF-8"],
+                      primary_rebuilt=["/m/multimaster/peers/m2.json: a directory"]),
+           "retcode": 0}
+    assert report.sync_rows(ret)["m2"].splitlines()[-2:] == [
+        "  damaged on the peer, rebuilt: /c/multimaster/minion_keys_history.json: not UTF-8",
+        "  damaged on the primary, rebuilt: /m/multimaster/peers/m2.json: a directory"]

@@ -91,10 +91,38 @@ def test_schedule_runs_after_the_job_once(opts, tmp_path):
     assert wait_until(marker.exists, deadline=10, step=0.1)
 
 
+def test_schedule_waits_for_the_job_at_most_wait_max(opts, tmp_path):
+    """A job process that lingers after its return (Salt 3007.15) holds the restart ``wait_max`` s."""
+    marker = tmp_path / "marker"
+    job = subprocess.Popen(["sleep", "30"])  # pylint: disable=consider-using-with
+    try:
+        start = time.monotonic()
+        core.schedule(opts, _run_bg, f"touch {marker}", 0, service="salt-master",
+                      wait_pid=job.pid, wait_max=1)
+        time.sleep(0.5)
+        assert not marker.exists()  # the "job" still runs
+        assert wait_until(marker.exists, deadline=10, step=0.1)
+        assert job.poll() is None and time.monotonic() - start < 10
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_master_restart_waits_for_the_job_at_most_master_job_wait(opts):
+    scripts = []
+    restart = core.MasterRestart(opts, lambda: None, lambda s: scripts.append(s) or 1234,
+                                 lambda: None, cmd="true")
+    assert restart() == "restarting"
+    steps = core.MASTER_JOB_WAIT * 4
+    assert f"[ $i -lt {steps} ]" in scripts[0] and f"p={os.getpid()};" in scripts[0]
+
+
 def test_schedule_records_the_exit_status(opts, tmp_path):
     status = tmp_path / "cache" / "multimaster" / "restart-salt-minion.status"
     core.schedule(opts, _run_bg, "sleep 0; exit 3", 0, wait_pid=0)
     assert wait_until(status.exists, deadline=10, step=0.1) and core.last_status(opts) == 3
+    # the script has written the status; it is pending until it exited
+    assert wait_until(lambda: core.pending(opts) == 0, deadline=10, step=0.1)
     # a new restart forgets the old outcome until its own command ran
     core.schedule(opts, _run_bg, "sleep 1", 0, wait_pid=0)
     assert core.last_status(opts) is None
@@ -155,3 +183,88 @@ def test_master_key_impossible_restart_fails(test):
         assert ret["comment"] == (f"Replaced the trusted master key {path}. "
                                   "The salt-minion was NOT " + tail)
         assert "restart" not in ret["changes"]
+
+
+# ----- a master's restart: the one setting every path reads ---------------------
+MASTER_DEFAULT = "salt-call --local service.restart salt-master"
+
+
+def _master(opts, cmd=None, present=("salt-call", "rc-service"), manager=False, option=None):
+    """A MasterRestart over fakes: ``(restart, scripts run, marks made)``."""
+    scripts, marks = [], []
+    if option is not None:
+        opts = dict(opts, **{core.MASTER_CMD_OPTION: option})
+    restart = core.MasterRestart(opts, lambda: marks.append(True),
+                                 lambda script: scripts.append(script) or 42,
+                                 lambda: manager, cmd=cmd, which=_which(*present))
+    return restart, scripts, marks
+
+
+def test_master_restart_reads_the_minion_option(opts):
+    restart, scripts, marks = _master(opts, option="rc-service salt-master restart")
+    assert (restart.cmd, restart.configured, restart.refused) == (
+        "rc-service salt-master restart", True, None)
+    assert restart.predict() == "would restart"
+    assert restart() == "restarting" and marks == [True]
+    (script,) = scripts
+    assert "; sleep 1; rm -f " in script and "; (rc-service salt-master restart); " in script
+    assert script.endswith("restart-salt-master.status")
+    assert restart.describe("m2") == {"cmd": "rc-service salt-master restart", "configured": True,
+                                  "refused": None, "possible": True, "last_status": None}
+    # a rotation's restart_cmd wins over the option
+    restart, _, _ = _master(opts, cmd="/bin/true", option="rc-service salt-master restart",
+                            present=("/bin/true",))
+    assert restart.cmd == "/bin/true" and restart.source == "restart_cmd"
+
+
+def test_master_restart_refuses_a_command_that_cannot_run(opts):
+    restart, scripts, marks = _master(opts, option="sv restart salt-master")
+    reason = ("the restart command 'sv restart salt-master' cannot run: 'sv' not found (PATH "
+              "of the salt-minion)")
+    assert restart.refused == reason
+    assert restart.why_refused("m2") == (
+        f"the salt-master could not restart to load it: {reason}; nothing written: fix the "
+        "option multimaster.master_restart_cmd of the salt-minion on m2 (or remove it to "
+        "restart through the service manager)")
+    assert restart.predict() == restart.why_refused()
+    assert restart.describe("m2")["refused"] == restart.why_refused("m2")
+    # asked anyway (a caller that wrote nonetheless): marked, nothing run
+    assert restart() == "restart_required" and marks == [True] and scripts == []
+    for bad in ([], 3, "   "):
+        restart, _, _ = _master(opts, option=bad) if bad != "   " else _master(opts, cmd=bad)
+        if bad == []:  # an empty value: not configured
+            assert restart.refused is None and not restart.configured
+        else:
+            assert restart.refused.endswith(f"must be a command string, not {bad!r}")
+
+
+def test_master_restart_without_a_setting_uses_the_service_manager(opts):
+    restart, scripts, marks = _master(opts, manager=True)
+    assert (restart.cmd, restart.configured) == (MASTER_DEFAULT, False)
+    assert restart() == "restarting" and len(scripts) == 1 and marks == [True]
+    # no service manager knows salt-master: written, then restart_required
+    restart, scripts, marks = _master(opts, manager=False)
+    assert restart.refused is None and restart.predict() == "restart_required"
+    assert restart() == "restart_required" and scripts == [] and marks == [True]
+
+
+def test_the_formulas_master_restart_reads_the_master_restart_option(tmp_path):
+    """multimaster.restart_minion service=salt-master: the host's multimaster.master_restart_cmd."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
+
+    spec = importlib.util.spec_from_file_location("mm_module_restart",
+                                                  REPO / "_modules" / "multimaster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.__salt__, mod.__pillar__ = {}, {}
+    marker = tmp_path / "master-restarted"
+    for option, possible in ((f"touch {marker}", True),
+                             ("no-such-init salt-master restart", False)):
+        mod.__opts__ = {"cachedir": str(tmp_path), core.MASTER_CMD_OPTION: option}
+        ret = mod.restart_minion(service="salt-master", test=True)
+        assert ret["cmd"] == option and ret["possible"] is possible, ret
+    assert "'no-such-init' not found" in ret["reason"], ret
+    # the salt-minion's own restart does not read it
+    assert mod.restart_minion(test=True)["cmd"] == DEFAULT

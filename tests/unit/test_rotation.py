@@ -195,6 +195,7 @@ class FakeSalt:
         self.serve_after = serve_after
         self.peer_restart = "restarting"
         self.primary_restart = "restarting"
+        self.restart_failure = None  # why the primary's restart command failed
         self.disk = {p: f"old-{p}" for p in peers}  # fingerprint of each peer's key on disk
         self.serving_at = {}  # master -> time from which it serves its key on disk
         self.minion_ids, self.silent, self.answer_at = list(minions), set(), {}
@@ -208,7 +209,8 @@ class FakeSalt:
             self.opts, call_peer=self.call_peer, minions=self.minions, status=self.status,
             restart_primary=self.restart_primary, primary_serving=self.primary_serving,
             reconnect_events=lambda: self.log.append("reconnect_events"),
-            sleep=self.sleep, monotonic=lambda: self.now)
+            restart_failed=lambda: self.restart_failure, sleep=self.sleep,
+            monotonic=lambda: self.now)
 
     def sleep(self, seconds):
         self.sleeps.append(seconds)
@@ -361,6 +363,41 @@ def test_resume_after_the_primary_restart_never_happened(primary):
     assert ret["fingerprints"] == {"p1": new, "p2": new, "m1": new}
 
 
+def test_command_failure():
+    class Proc:
+        args = "systemctl restart salt-master"
+
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    assert rotation.command_failure(None) is None
+    assert rotation.command_failure(Proc(None)) is None  # still running
+    assert rotation.command_failure(Proc(0)) is None
+    assert rotation.command_failure(Proc(-15)) is None  # killed, as a restart may
+    assert rotation.command_failure(Proc(5)) == \
+        "its restart command 'systemctl restart salt-master' exited 5"
+
+
+def test_a_failed_primary_restart_command_ends_the_wait_at_once(primary):
+    """The service manager said no: the rotation stops at the next check, not after restart_wait."""
+    fake = _fake(primary)
+    # the primary's command exits 1 at once: the primary never restarts
+    fake.restart_primary = lambda cmd: fake.log.append("restart primary") or "restarting"
+    fake.restart_failure = "its restart command 'false' exited 1"
+    ret, _ = _rotate(fake, "shared", restart_wait=100)
+    assert (ret["result"], ret["error"]) == (False, rotation.restart_remedy(
+        "m1", "its restart command 'false' exited 1: its salt-master still runs with the "
+              "old key (not restarted since)"))
+    assert [ret["steps"][s]["state"] for s in ("p1", "p2", "m1")] == [
+        "serving", "serving", "written"]
+    assert fake.log[-1] == "restart primary"
+    # one poll after the restart, not restart_wait (the peers' waits: 4 s each)
+    assert fake.now < 20, fake.sleeps
+
+
 def test_a_peer_that_never_serves_stops_the_rotation(primary, keypair):
     """signed: p1 writes its key but never serves it; the primary is left alone; a re-run resumes."""
     (pathlib.Path(primary["pki_dir"]) / "master_sign.pub").write_bytes(keypair[1])
@@ -507,6 +544,10 @@ def _runner(tmp_path, monkeypatch):
     ({"peers": "m9"}, "'m9' not in multimaster:peers"),
     ({"restart_wait": 0}, "restart_wait must be more than 0 seconds"),
     ({"restart_cmd": ["systemctl"]}, "restart_cmd must be a command"),
+    # it restarts this primary too: a program not installed here is refused first
+    ({"restart_cmd": "no-such-init salt-master restart"},
+     "m1: the restart command 'no-such-init salt-master restart' cannot run: 'no-such-init' "
+     "not found (PATH of the salt-master)"),
 ])
 def test_rotate_key_refuses_bad_input(tmp_path, monkeypatch, kwargs, error):
     runner = _runner(tmp_path, monkeypatch)

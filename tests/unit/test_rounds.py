@@ -50,7 +50,8 @@ class FakeSalt:
         return peer.apply(self.mopts, self.state_dir, request["ops"], request["topology"],
                           request["backup_keep"], self.unseal, self.fetch,
                           lambda *args: "restarting", keys_digest=request.get("keys_digest"),
-                          expect=request.get("expect"), config_keys=request.get("config_keys"))
+                          expect=request.get("expect"), config_keys=request.get("config_keys"),
+                          confirm=request.get("confirm"))
 
     def unseal(self, blob, purpose):
         return seal.unseal(self.minion_priv, blob, PEER, purpose)
@@ -99,9 +100,9 @@ def fake(pair):
         yield FakeSalt(primary_opts, mopts, minion_priv, str(tmp_path / "m2-minion-state"))
 
 
-def _sync(fake, categories=CATS, ids=None, test=False):
+def _sync(fake, categories=CATS, ids=None, test=False, force=False):
     fake.published.clear()
-    ret = rounds.Rounds(fake.primary_opts, _conf(), fake, test=test).run(
+    ret = rounds.Rounds(fake.primary_opts, _conf(), fake, test=test, force=force).run(
         [PEER], list(categories), ids)
     return ret[PEER], list(fake.published)
 
@@ -136,7 +137,7 @@ def test_a_first_sync_asks_then_applies_and_a_change_sync_is_one_publish(fake):
                    for k in ("added", "updated", "removed"))
 
 
-def test_a_peer_changed_behind_the_primarys_back_converges_in_a_second_round(fake):
+def test_a_peer_changed_behind_the_primarys_back_keeps_its_change_in_a_second_round(fake):
     tmp_path = fake.state_dir.rsplit("/", 1)[0]
     _sync(fake)
     # someone edits the peer's file_roots; then the primary changes a pillar
@@ -145,11 +146,22 @@ def test_a_peer_changed_behind_the_primarys_back_converges_in_a_second_round(fak
     with open(f"{tmp_path}/m1/pillar/secret.sls", "w", encoding="utf-8") as fh:
         fh.write("password: changed\n")
     res, published = _sync(fake)
-    # the conditional apply is refused with the peer's inventory, then planned from it
+    # the conditional apply is refused with the peer's inventory, then planned
+    # from it: the peer's edit since its last sync is left there and named
     assert published == ["apply", "apply"], res
-    assert res["file_roots"]["updated"] == ["base:top.sls"]
+    assert res["file_roots"]["updated"] == []
+    assert res["file_roots"]["peer_changed"] == [
+        "base:top.sls: edited on the peer since its last sync (kept)"]
     assert res["pillar_roots"]["updated"] == ["base:secret.sls"]
+    assert res["result"] is False
+    with open(f"{tmp_path}/m2/srv/top.sls", encoding="utf-8") as fh:
+        assert fh.read() == "edited on the peer\n"
+    # force=True puts the primary's back
+    res, published = _sync(fake, force=True)
+    assert res["file_roots"]["updated"] == ["base:top.sls"] and res["result"] is True, res
     _assert_replica(fake.primary_opts, fake.mopts)
+    res, published = _sync(fake)
+    assert published == ["inventory"] and res["result"] is True, res
 
 
 def test_a_targeted_key_sync_after_a_full_sync_is_one_publish(fake):
@@ -208,7 +220,7 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
                           request["backup_keep"], fake.unseal, fake.fetch,
                           lambda *args: "restarting", keys_digest=request.get("keys_digest"),
                           expect=request.get("expect"), config_keys=request.get("config_keys"),
-                          after=left.append)
+                          after=left.append, confirm=request.get("confirm"))
 
     fake._run = apply_leaving_the_record
     with open(f"{tmp_path}/m1/pki/minions/web4", "wb") as fh:

@@ -63,10 +63,17 @@ def test_known_kwargs():
     validate.known_kwargs({"rescan": True, "__pub_user": "root", "__kwarg__": True},
                           ("rescan",), "multimaster.sync")
     with pytest.raises(InvalidInput) as exc:
-        validate.known_kwargs({"tset": True, "rescan": 1, "zz": 2}, ("rescan", "timeout"),
+        validate.known_kwargs({"tset": True, "rescan": 1, "zz": 2}, ("rescan", "timeout", "test"),
                               "multimaster.sync")
-    assert str(exc.value) == ("multimaster.sync: unknown argument(s) tset, zz "
-                              "(known: rescan, timeout)")
+    assert str(exc.value) == ("multimaster.sync: unknown arguments tset (did you mean test?), "
+                              "zz (accepted: rescan, test, timeout)")
+    with pytest.raises(InvalidInput) as exc:
+        validate.known_kwargs({"peer": "m2"}, ("peers", "only", "test"))
+    assert str(exc.value) == ("unknown argument peer: did you mean peers? "
+                              "(accepted: only, peers, test)")
+    with pytest.raises(InvalidInput) as exc:
+        validate.known_kwargs({"zz": 1}, ("peers",))
+    assert str(exc.value) == "unknown argument zz (accepted: peers)"
 
 
 def test_conf_mapping():

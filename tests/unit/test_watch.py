@@ -602,13 +602,19 @@ def test_serve_and_query(tree, started, tmp_path):
     assert watch.query(sock_path, tok) is None
 
 
-def test_serve_refuses_a_file_and_keeps_a_socket_not_its_own(tree, started, tmp_path):
+def test_serve_moves_a_file_aside_and_keeps_a_socket_not_its_own(tree, started, tmp_path):
     w = started(tree)
     path = tmp_path / "not-a-socket"
     path.write_text("data")
-    with pytest.raises(FileExistsError):
-        watch.serve(w, str(path), stop=threading.Event())
-    assert path.read_text() == "data"
+    stop = threading.Event()
+    server = threading.Thread(target=watch.serve, args=(w, str(path)),
+                              kwargs={"stop": stop, "poll": 0.02}, daemon=True)
+    server.start()
+    _until(lambda: watch.query(str(path), None) is not None)
+    stop.set()
+    server.join(5)
+    (aside,) = tmp_path.glob("not-a-socket.damaged-*")  # kept, not removed
+    assert aside.read_text() == "data"
     # replaced by another server's socket meanwhile: left alone at exit
     sock_path = str(tmp_path / "w.sock")
     stop = threading.Event()

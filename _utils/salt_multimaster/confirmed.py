@@ -1,0 +1,320 @@
+"""
+What a peer last confirmed to hold with the primary: the base of a
+three-way sync (the primary now, the peer now, the last state both held).
+
+Kept on the peer, next to its key history (``<minion cachedir>/multimaster``),
+per replicated category:
+
+* ``minion_keys``, ``file_roots``, ``pillar_roots``: per bucket
+  (:func:`manifest.bucket_of`), the bucket's part (``{state: {id: sha256}}``,
+  ``{saltenv: {path: [size, mode, sha256]}}``) as the peer held it when it
+  equalled the primary's, and its digest (``""``: recorded empty).
+  ``confirmed-<category>.json`` names each bucket's file in
+  ``confirmed-<category>.d`` by its sha256 (:class:`manifest.BucketFiles`),
+  written after them;
+* ``master_config``: the sha256 of each replicated option's value
+  (``confirmed-master_config.json``): no value, no secret.
+
+Not a cache: every file is flushed.  A bucket whose file is lost or is not
+the one named is not recorded: the sync then plans it as before this record
+existed (the key history's conflicts), never as the peer's change.
+
+A bucket is recorded whole where the peer's bucket, after an apply, has the
+primary's digest; an apply that leaves items of a recorded bucket as they
+were (changed on the peer since: kept) records the items it wrote only.  A
+no-op sync writes nothing; a change sync writes the buckets it changed.
+"""
+
+import json
+import os
+
+from salt_multimaster import manifest, protocol, statefile
+
+FORMAT = 1
+BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
+ALL_BUCKETS = tuple(str(b) for b in range(manifest.BUCKETS))
+#: the digest recorded for a bucket that held nothing
+EMPTY = ""
+#: buckets a save flushes one by one (fsync); past that one ``sync``
+RECORD_FSYNC_EACH = 8
+
+
+def _meta_path(state_dir, cat):
+    return os.path.join(state_dir, f"confirmed-{cat}.json")
+
+
+def part_digest(part):
+    """A bucket part's digest as the sync computes it; :data:`EMPTY` for an empty part."""
+    part = {outer: inner for outer, inner in (part or {}).items() if inner}
+    return manifest.bucket_digests({"": part})[""] if part else EMPTY
+
+
+def _valid_part(data):
+    return isinstance(data, dict) and all(
+        isinstance(inner, dict) for inner in data.values())
+
+
+def value_sha(key, value):
+    """The sha256 recorded for one replicated option's value."""
+    return protocol.config_digest({key: value})
+
+
+class Record:
+    """
+    The record of one bucketed category: ``digest`` (``{bucket: digest}``
+    of the recorded buckets), :meth:`part` of one, :meth:`set` and
+    :meth:`drop` staged until :meth:`save`.
+    """
+
+    def __init__(self, state_dir, cat):
+        self.state_dir, self.cat = state_dir, cat
+        meta = manifest.read_json(_meta_path(state_dir, cat))
+        good = (isinstance(meta, dict) and meta.get("format") == FORMAT
+                and isinstance(meta.get("digest"), dict) and isinstance(meta.get("buckets"), dict))
+        self.digest = dict(meta["digest"]) if good else {}
+        self.files = manifest.BucketFiles(os.path.join(state_dir, f"confirmed-{cat}.d"),
+                                          meta["buckets"] if good else {}, _valid_part,
+                                          durable=True)
+        self.changed = {}
+
+    def part(self, bucket):
+        """The recorded part of ``bucket`` (``{}``: recorded empty); None: not recorded."""
+        if bucket in self.changed:
+            return self.changed[bucket]
+        if bucket not in self.digest:
+            return None
+        return self.files.get(bucket)
+
+    def set(self, bucket, part, digest=None):
+        """
+        Record ``part`` for ``bucket`` (``digest``: its :func:`part_digest`,
+        when known); nothing written when it is recorded so already.
+        """
+        part = {outer: dict(inner) for outer, inner in part.items() if inner}
+        digest = part_digest(part) if digest is None else digest
+        if self.digest.get(bucket) != digest or bucket in self.files.bad:
+            self.changed[bucket] = part
+
+    def drop(self, bucket):
+        """Forget ``bucket``: it is planned as before the record existed."""
+        if bucket in self.digest:
+            self.changed[bucket] = None
+
+    def save(self):
+        """
+        Write the changed buckets, then the file naming them.  Up to
+        :data:`RECORD_FSYNC_EACH` buckets are flushed one by one; more (a
+        first sync) with one ``sync`` of the host's filesystems.
+        """
+        if not self.changed:
+            return
+        many = len(self.changed) > RECORD_FSYNC_EACH
+        self.files.durable = not many
+        self.files.save({b: part or {} for b, part in self.changed.items()})
+        if many:
+            os.sync()
+        for bucket, part in self.changed.items():
+            if part is None:
+                self.digest.pop(bucket, None)
+            else:
+                self.digest[bucket] = part_digest(part)
+        self.changed = {}
+        statefile.write(_meta_path(self.state_dir, self.cat), json.dumps({
+            "format": FORMAT, "digest": self.digest,
+            "buckets": {b: sha for b, sha in self.files.shas.items() if b in self.digest}}),
+            mode=0o600)
+
+
+def changed_items(current, base):
+    """
+    ``{outer: {name: base value, or None}}``: the items of a bucket whose
+    value now (``current``) is not the recorded one (``base``); None: the
+    item was not there.
+    """
+    ret = {}
+    for outer in set(current) | set(base):
+        now, was = current.get(outer) or {}, base.get(outer) or {}
+        for name in set(now) | set(was):
+            if now.get(name) != was.get(name):
+                ret.setdefault(outer, {})[name] = was.get(name)
+    return ret
+
+
+def since(state_dir, cat, digest, detailed, part_of):
+    """
+    What the inventory says of the record of ``cat``: ``{"changed": items
+    of the ``detailed`` buckets changed since their record
+    (:func:`changed_items`), "unknown": detailed buckets not recorded,
+    "stale": the other buckets whose record is not what the peer holds
+    now}``.  ``digest``: the peer's bucket digests now; ``part_of(bucket)``
+    its part of a detailed bucket.  Reads the files of the detailed
+    recorded buckets only.
+    """
+    rec = Record(state_dir, cat)
+    detailed = set(detailed)
+    ret = {"changed": {}, "unknown": [], "stale": []}
+    for bucket in sorted(detailed):
+        base = rec.part(bucket)
+        if base is None:
+            ret["unknown"].append(bucket)
+            continue
+        for outer, items in changed_items(part_of(bucket), base).items():
+            ret["changed"].setdefault(outer, {}).update(items)
+    ret["stale"] = [b for b in ALL_BUCKETS
+                    if b not in detailed and rec.digest.get(b) != digest.get(b, EMPTY)]
+    return ret
+
+
+def since_ids(state_dir, ids, keys):
+    """
+    :func:`since` of a targeted key sync: the record of ``ids`` only
+    (``keys``: the peer's keys of them now, ``{state: {id: sha256}}``):
+    ``{"changed", "unknown"}``.
+    """
+    rec = Record(state_dir, "minion_keys")
+    ret = {"changed": {}, "unknown": []}
+    by_bucket = {}
+    for mid in ids:
+        by_bucket.setdefault(manifest.bucket_of(mid), set()).add(mid)
+    for bucket, mids in sorted(by_bucket.items()):
+        base = rec.part(bucket)
+        if base is None:
+            ret["unknown"].append(bucket)
+            continue
+        mine = {state: {m: sha for m, sha in held.items() if m in mids}
+                for state, held in base.items()}
+        now = {state: {m: sha for m, sha in held.items() if m in mids}
+               for state, held in keys.items()}
+        for outer, items in changed_items(now, mine).items():
+            ret["changed"].setdefault(outer, {}).update(items)
+    return ret
+
+
+def _key_item(op):
+    return op["state"], op["id"]
+
+
+def _tree_item(op):
+    return op["env"], op["rel"]
+
+
+def applied(cat, ops, failed):
+    """
+    ``{bucket: [(outer, name, value or None)]}`` of the operations of
+    ``cat`` the apply carried out (``failed``: the names it reports failed).
+    """
+    ret = {}
+    for op in ops:
+        if cat == "minion_keys":
+            (outer, name), label = _key_item(op), f"{op['state']}/{op['id']}"
+            value = op.get("sha256")
+            bucket = manifest.bucket_of(name)
+        else:
+            (outer, name), label = _tree_item(op), f"{op['env']}:{op['rel']}"
+            value = [op.get("size"), op.get("mode"), op.get("sha256")]
+            bucket = manifest.bucket_of(f"{outer}/{name}")
+        if label in failed:
+            continue
+        ret.setdefault(bucket, []).append(
+            (outer, name, value if op["op"] == "write" else None))
+    return ret
+
+
+def _with(part, items):
+    ret = {outer: dict(inner) for outer, inner in (part or {}).items()}
+    for outer, name, value in items:
+        if value is None:
+            ret.get(outer, {}).pop(name, None)
+        else:
+            ret.setdefault(outer, {})[name] = value
+    return {outer: inner for outer, inner in ret.items() if inner}
+
+
+def _with_ids(part, ids, now):
+    """A keys part whose ``ids`` hold the keys of ``now`` (``{state: {id: sha256}}``) only."""
+    ret = {state: {mid: sha for mid, sha in keys.items() if mid not in ids}
+           for state, keys in (part or {}).items()}
+    for state, keys in now.items():
+        for mid, sha in keys.items():
+            ret.setdefault(state, {})[mid] = sha
+    return {state: keys for state, keys in ret.items() if keys}
+
+
+def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, keys_now=None):
+    """
+    Record what an apply of ``cat`` left in step with the primary.
+
+    done
+        :func:`applied` of the apply.
+    primary_digest
+        The primary's bucket digests (None: a targeted sync, which only
+        records the items it wrote in recorded buckets).
+    held_digest, held_part(bucket)
+        The peer's bucket digests and parts as its inventory before this
+        apply read them (its saved state); ``held_part`` None when unknown.
+    keys_now(ids)
+        ``minion_keys``: the keys the peer holds of ``ids`` now (every state
+        of an id, which the apply's operations alone do not tell).
+
+    A bucket the apply wrote, or whose record is not what the peer held,
+    is recorded whole when the peer's part with the apply's items has the
+    primary's digest; else, if recorded, its record takes the items written
+    (they hold the primary's content now); a written bucket whose part is
+    unknown is forgotten (never a stale record).
+    """
+    rec = Record(state_dir, cat)
+    todo = set(done)
+    if primary_digest is not None:
+        todo |= {b for b in ALL_BUCKETS if rec.digest.get(b) != (held_digest or {}).get(b, EMPTY)}
+    for bucket in sorted(todo):
+        items = done.get(bucket, [])
+        before = held_part(bucket) if primary_digest is not None else None
+        if before is not None:
+            after = _with(before, items)
+            digest = part_digest(after)
+            if digest == primary_digest.get(bucket, EMPTY):
+                rec.set(bucket, after, digest)
+                continue
+        if not items:
+            continue
+        if primary_digest is not None and before is None:
+            rec.drop(bucket)
+        elif rec.part(bucket) is not None and keys_now is not None:
+            # every key of an id written: what the peer holds of it now
+            ids = {name for _outer, name, _value in items}
+            rec.set(bucket, _with_ids(rec.part(bucket), ids, keys_now(ids)))
+        elif rec.part(bucket) is not None:
+            rec.set(bucket, _with(rec.part(bucket), items))
+    rec.save()
+
+
+# ---------------------------------------------------------------------------
+# master_config: the sha256 of each replicated option's value
+# ---------------------------------------------------------------------------
+def config_record(state_dir):
+    """``{option: sha256}`` recorded for the replicated options (``{}``: none)."""
+    data = manifest.read_json(_meta_path(state_dir, "master_config"))
+    if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(
+            data.get("values"), dict):
+        return data["values"]
+    return {}
+
+
+def forget_config(state_dir):
+    """Forget what the peer confirmed of the replicated options (its drop-in was damaged)."""
+    statefile.remove(_meta_path(state_dir, "master_config"))
+
+
+def record_config(state_dir, values, primary_shas):
+    """
+    Record the options whose value on the peer (``values``, after the
+    apply) is the primary's (``primary_shas``: ``{option: sha256}``).
+    """
+    old = config_record(state_dir)
+    new = dict(old)
+    for key, sha in primary_shas.items():
+        if key in values and value_sha(key, values[key]) == sha:
+            new[key] = sha
+    if new != old:
+        statefile.write(_meta_path(state_dir, "master_config"),
+                        json.dumps({"format": FORMAT, "values": new}), mode=0o600)
