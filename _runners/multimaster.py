@@ -171,7 +171,7 @@ _CONF_KWARGS = ("rescan", "topology", "replicate", "master_config_keys", "timeou
 def _conf(kwargs):
     """The primary's ``multimaster`` config, overridden by runner kwargs."""
     conf = _valid(validate.conf_mapping, __opts__.get("multimaster"))
-    configured = _as_list(conf.get("peers"))
+    configured = _as_list(conf.get("peers"), "multimaster:peers")
     for key in ("peers",) + _CONF_KWARGS[1:]:
         if kwargs.get(key) is not None:
             conf[key] = kwargs[key]
@@ -189,7 +189,7 @@ def _conf(kwargs):
         except (TypeError, ValueError):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
     for key in ("peers", "replicate", "master_config_keys"):
-        conf[key] = _as_list(conf.get(key))
+        conf[key] = _as_list(conf.get(key), key)
     # only configured peers receive secrets; only shared policy options travel
     _valid(validate.peers, conf["peers"], configured)
     _valid(validate.config_keys, conf["master_config_keys"])
@@ -214,23 +214,23 @@ def _timeout(value):
 
 def _checked_args(minion_ids=None, only=None):
     """``only`` and ``minion_ids`` not empty when given (the keywords: :func:`_public`)."""
-    if only is not None and not _as_list(only):
+    if only is not None and not _as_list(only, "only"):
         raise validate.InvalidInput(
             f"only is empty ({only!r}): name the categories to sync, or leave only out")
-    if minion_ids is not None and not _as_list(minion_ids):
+    if minion_ids is not None and not _as_list(minion_ids, "minion_ids"):
         raise validate.InvalidInput(
             f"minion_ids is empty ({minion_ids!r}): name the minions whose keys to sync, "
             "or leave minion_ids out for a full sync")
 
 
-def _as_list(value):
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple, set)):
-        return [str(v) for v in value]
-    return [str(value)]
+def _as_list(value, name):
+    """``value`` as a list (:func:`validate.as_list`); bad input as SaltInvocationError."""
+    return _valid(validate.as_list, name, value)
+
+
+def _flag(name, value):
+    """``value`` as a bool (:func:`validate.boolean`); bad input as SaltInvocationError."""
+    return _valid(validate.boolean, name, value)
 
 
 def _invalid(message):
@@ -430,13 +430,12 @@ class _Salt:
 def _sync(job, peers, only, test, force, minion_ids, **kwargs):
     try:
         _valid(_checked_args, minion_ids, only)
-        test = _valid(validate.boolean, "test", test)
         force = _valid(validate.boolean, "force", force)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
-    only = _as_list(only)
-    ids = sorted(set(_as_list(minion_ids)))
+    only = _as_list(only, "only")
+    ids = sorted(set(_as_list(minion_ids, "minion_ids")))
     error = _validate(conf, only)
     if not error and ids:
         other = [c for c in only if c != "minion_keys"]
@@ -501,10 +500,6 @@ def _compact(fun):
     Calls from the reactor, the scheduler or the API get the data.
     """
     return not __opts__.get("output") and __opts__.get("fun") == fun
-
-
-def _truthy(value):
-    return bool(value) and str(value).lower() not in ("false", "0", "no")
 
 
 @_public(*_CONF_KWARGS, "lock_wait")
@@ -573,6 +568,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         salt-run multimaster.sync rescan=True
         salt-run multimaster.sync --out=json
     """
+    try:
+        test, verbose = _flag("test", test), _flag("verbose", verbose)
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
     with _job_record("multimaster.sync", __opts__.get("id"), peers=peers, only=only,
                      test=test or None, force=force or None, minion_ids=minion_ids,
                      **kwargs) as (jid, event):
@@ -583,24 +582,25 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
             job.close()
     if _compact("multimaster.sync"):
         return {"outputter": "txt",
-                "data": report.sync_rows(ret, _truthy(test), _truthy(verbose))}
+                "data": report.sync_rows(ret, test, verbose)}
     return ret
 
 
 def _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs):
     """
-    :func:`_sync` under this primary's sync lock (no lock in test mode);
-    ``job``: the :class:`_Salt` of this call, ``jid``: its own jid or None.
+    :func:`_sync` under this primary's sync lock (no lock in test mode:
+    ``test`` a bool); ``job``: the :class:`_Salt` of this call, ``jid``: its
+    own jid or None.
     """
-    if str(test).lower() in ("true", "1", "yes"):
+    if test:
         return _sync(job, peers, only, test, force, minion_ids, **kwargs)
     with _sync_lock(kwargs.pop("lock_wait", None), jid) as busy:
         if busy:
             # per peer too: a caller checking each peer's result (the
             # reactor's key_event retries a failed sync) sees the failure
             conf = __opts__.get("multimaster")
-            for peer in _as_list(peers) or _as_list(
-                    conf.get("peers") if isinstance(conf, dict) else None):
+            for peer in _as_list(peers, "peers") or _as_list(
+                    conf.get("peers") if isinstance(conf, dict) else None, "multimaster:peers"):
                 busy.setdefault(peer, {"result": False, "error": busy["error"]})
             return busy
         sync_core.sweep_grants(__opts__, _Salt.jid_dir)
@@ -706,7 +706,7 @@ def restore(peer=None, backup=None, test=False, **kwargs):
     """
     try:
         test = _valid(validate.boolean, "test", test)
-        if len(_as_list(peer)) != 1:
+        if len(_as_list(peer, "peer")) != 1:
             raise SaltInvocationError("restore takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(dict(kwargs, peers=peer))
     except SaltInvocationError as exc:
@@ -750,6 +750,10 @@ def status(peers=None, verbose=False, **kwargs):
         salt-run multimaster.status
         salt-run multimaster.status peers=master02 --out=json
     """
+    try:
+        verbose = _flag("verbose", verbose)
+    except SaltInvocationError as exc:
+        return _invalid(str(exc))
     with _job_record("multimaster.status", __opts__.get("id"), peers=peers,
                      **kwargs) as (_, event):
         job = _Salt(event)
@@ -758,7 +762,7 @@ def status(peers=None, verbose=False, **kwargs):
         finally:
             job.close()
     if _compact("multimaster.status"):
-        return {"outputter": "txt", "data": report.status_rows(ret, _truthy(verbose))}
+        return {"outputter": "txt", "data": report.status_rows(ret, verbose)}
     return ret
 
 
@@ -1128,12 +1132,13 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
     """
     conf = __opts__.get("multimaster") if isinstance(__opts__.get("multimaster"), dict) else {}
     topology = topology or conf.get("topology") or "shared"
-    conf_peers = rotation.as_list(peers) or rotation.as_list(conf.get("peers"))
     restart_cmd = restart_cmd or conf.get("master_restart_cmd") or None
     try:
+        configured = validate.as_list("multimaster:peers", conf.get("peers"))
+        conf_peers = validate.as_list("peers", peers) or configured
         test = validate.boolean("test", test)
         fresh = validate.boolean("fresh", fresh)
-        validate.peers(conf_peers, rotation.as_list(conf.get("peers")))
+        validate.peers(conf_peers, configured)
         waits = {k: validate.timeout(k, v, maximum=3600) for k, v in
                  (("restart_wait", restart_wait), ("verify_wait", verify_wait),
                   ("timeout", timeout))}
@@ -1228,6 +1233,10 @@ def failback(peer=None, test=False, keep=None, verbose=False, **kwargs):
         salt-run multimaster.failback peer=master02
         salt-run multimaster.failback peer=master02 keep=web09,base:app/init.sls
     """
+    try:
+        verbose = _flag("verbose", verbose)
+    except SaltInvocationError as exc:
+        return _invalid(f"multimaster.failback: {exc}")
     with _job_record("multimaster.failback", __opts__.get("id"), peer=peer,
                      test=test or None, keep=keep, **kwargs) as (jid, event):
         job = _Salt(event)
@@ -1238,7 +1247,7 @@ def failback(peer=None, test=False, keep=None, verbose=False, **kwargs):
     if ret.get("retcode"):
         __context__["retcode"] = ret["retcode"]
     if _compact("multimaster.failback"):
-        return {"outputter": "txt", "data": report.failback_rows(ret, _truthy(verbose))}
+        return {"outputter": "txt", "data": report.failback_rows(ret, verbose)}
     return ret
 
 
@@ -1246,14 +1255,14 @@ def _failback(job, jid, peer, test, keep, **kwargs):
     lock_wait = kwargs.pop("lock_wait", None)
     try:
         test = _valid(validate.boolean, "test", test)
-        if len(_as_list(peer)) != 1:
+        if len(_as_list(peer, "peer")) != 1:
             raise SaltInvocationError("failback takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(kwargs)
-        _valid(validate.peers, _as_list(peer), conf["peers"])
+        _valid(validate.peers, _as_list(peer, "peer"), conf["peers"])
         membership.as_list(keep)
     except (SaltInvocationError, membership.MembershipError) as exc:
         return _invalid(f"multimaster.failback: {exc}")
-    peer = _as_list(peer)[0]
+    peer = _as_list(peer, "peer")[0]
     error = _validate(conf, [])
     bad = sync_core.peer_errors(__opts__, [peer])
     if error or bad:
@@ -1308,11 +1317,12 @@ def promote(peers=None, test=False, address=None, tgt="*", tgt_type="glob", verb
         salt-run multimaster.promote
     """
     try:
-        test = _valid(validate.boolean, "test", test)
+        test, verbose = _flag("test", test), _flag("verbose", verbose)
         salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
                                       cached_pillars=_member_pillars, sync=sync)
-        ret = promote_core.promote(salt_ops, test, None if peers is None else _as_list(peers),
-                                   address, tgt, tgt_type)
+        ret = promote_core.promote(
+            salt_ops, test, None if peers is None else _as_list(peers, "peers"), address, tgt,
+            tgt_type)
     except (SaltInvocationError, promote_core.PromoteError, membership.MembershipError) as exc:
         ret = _invalid(f"multimaster.promote: {exc}")
     if ret.get("retcode"):
@@ -1320,5 +1330,5 @@ def promote(peers=None, test=False, address=None, tgt="*", tgt_type="glob", verb
     if _compact("multimaster.promote"):
         return {"outputter": "txt",
                 "data": report.steps_rows(ret, f"{__opts__['id']} (epoch {ret.get('epoch')})",
-                                          _truthy(verbose))}
+                                          verbose)}
     return ret

@@ -12,6 +12,19 @@ from salt_multimaster import statefile
 TOPOLOGIES = ("shared", "signed")
 
 
+def master_dropin(opts, name):
+    """
+    The drop-in ``name`` of the master whose options are ``opts``: in the
+    directory of its ``default_include`` (the first pattern when it is a
+    list; ``master.d/*.conf`` by default), beside its ``conf_file``.
+    """
+    include = opts.get("default_include") or "master.d/*.conf"
+    if isinstance(include, (list, tuple)):
+        include = include[0] if include else "master.d/*.conf"
+    conf_dir = os.path.dirname(opts["conf_file"])
+    return os.path.join(conf_dir, os.path.dirname(str(include)), name)
+
+
 def state_dir(opts):
     """
     ``<cachedir>/multimaster`` (0700), created on first use (what stands in

@@ -40,7 +40,7 @@ import salt.config
 import salt.utils.yaml
 
 from salt_multimaster import (daemon, fsutil, layout, manifest, masters, protocol, report,
-                              statefile)
+                              statefile, validate)
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +60,15 @@ class MembershipError(ValueError):
 
 def dropin_path(opts):
     """``<dir of conf_file>/<dir of default_include>/multimaster-peers.conf``."""
-    include = opts.get("default_include") or "master.d/*.conf"
-    if isinstance(include, (list, tuple)):
-        include = include[0] if include else "master.d/*.conf"
-    conf_dir = os.path.dirname(opts["conf_file"])
-    return os.path.join(conf_dir, os.path.dirname(include), DROPIN_NAME)
+    return layout.master_dropin(opts, DROPIN_NAME)
 
 
 def as_list(value):
     """A peers value as Salt's config holds it (list, comma string or None) -> list."""
-    if value is None or value == "":
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    raise MembershipError(f"multimaster:peers must be a list of minion ids, not {value!r}")
+    try:
+        return validate.as_list("multimaster:peers", value)
+    except validate.InvalidInput as exc:
+        raise MembershipError(str(exc)) from None
 
 
 def effective_peers(opts):

@@ -18,12 +18,11 @@ named error, not a silent "did not return".
 import base64
 import hashlib
 import json
-import os
 import re
 
 import msgpack
 
-from salt_multimaster import seal
+from salt_multimaster import layout, seal
 
 PROTOCOL = 1
 PULL_FUNCTION = "multimaster.pull"
@@ -427,6 +426,4 @@ def refusal(peer, size, inline_limit):
 
 def dropin_path(mopts):
     """Where a peer's master reads the replicated master options."""
-    include = mopts.get("default_include") or "master.d/*.conf"
-    conf_dir = os.path.dirname(mopts["conf_file"])
-    return os.path.join(conf_dir, os.path.dirname(include), DROPIN_NAME)
+    return layout.master_dropin(mopts, DROPIN_NAME)

@@ -173,17 +173,6 @@ def serving(mopts, marker):
     return True, None
 
 
-def as_list(value):
-    """A list of ids from a list or a comma separated string."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",") if v.strip()]
-    if isinstance(value, (list, tuple)):
-        return [str(v) for v in value]
-    return [str(value)]
-
-
 def restart_primary(mopts, restart_cmd, systemd_booted, started=None):
     """
     Restart the master this runs on (options ``mopts``), in the background:

@@ -56,6 +56,24 @@ class InvalidInput(ValueError):
     """Bad input; the message names it."""
 
 
+def as_list(name, value):
+    """
+    ``value`` as a list of strings: None gives ``[]``, a string is split at
+    its commas (blanks dropped), a list, tuple or set gives its items, a
+    number one item.  Anything else (a mapping, a bool) is an error naming
+    ``name``.
+    """
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [str(v) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [str(value)]
+    raise InvalidInput(f"{name} must be a list or a comma separated string, not {value!r}")
+
+
 def boolean(name, value, default=False):
     """
     ``value`` as a bool: a bool, 0/1, or true/false/yes/no/on/off/1/0 in any

@@ -275,6 +275,19 @@ def test_sync_refuses_while_another_sync_holds_the_lock(tmp_path):
         assert bad["error"] == "lock_wait must be a number of seconds (0 to 86400), not 'soon'"
 
 
+@pytest.mark.parametrize("test", [True, "on", "yes", "1", 1])
+def test_sync_in_test_mode_takes_no_lock(tmp_path, test):
+    """Every spelling of test mode is parsed once: none of them waits for the lock."""
+    runner = _runner(tmp_path)
+    state = tmp_path / "cache" / "multimaster"
+    state.mkdir(parents=True)
+    runner._sync = lambda *args, **kwargs: {"result": True, "test": args[3]}
+    with lock.SyncLock(str(state / "sync.lock"), "20261123220000000001"):
+        assert runner.sync(test=test, lock_wait=0) == {"result": True, "test": True}
+        assert runner.sync(test="off", lock_wait=0)["error"] == (
+            "a sync is already running, jid 20261123220000000001")
+
+
 def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     import salt.utils.jid  # pylint: disable=import-outside-toplevel
 

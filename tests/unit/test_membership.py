@@ -50,6 +50,14 @@ def test_dropin_is_joined_with_the_operators_master_d_block(tmp_path):
     assert membership.shadowed(str(conf / "master"), path) is None
 
 
+@pytest.mark.parametrize("include", ["conf.d/*.conf", ["conf.d/*.conf", "other.d/*.conf"]])
+def test_dropins_follow_default_include(tmp_path, include):
+    """The peers' and the sync's drop-ins: one path rule, a list default_include included."""
+    opts = {"conf_file": str(tmp_path / "master"), "default_include": include}
+    assert membership.dropin_path(opts) == str(tmp_path / "conf.d" / "multimaster-peers.conf")
+    assert protocol.dropin_path(opts) == str(tmp_path / "conf.d" / "multimaster-sync.conf")
+
+
 def test_a_main_file_block_would_be_hidden_so_it_is_refused(tmp_path):
     conf = _conf_dir(tmp_path, main="multimaster:\n  peers: [master02]\n  topology: signed\n")
     path = membership.dropin_path(_opts(conf))

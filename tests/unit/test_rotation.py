@@ -175,12 +175,6 @@ def test_minion_verdict_and_remedy():
     assert "minion_master.pub" in shared and "master_finger=ab:cd" in shared
 
 
-def test_as_list():
-    assert rotation.as_list("a, b,,c") == ["a", "b", "c"]
-    assert rotation.as_list(["a"]) == ["a"]
-    assert rotation.as_list(None) == []
-
-
 # ----- the step machine (Rotation) on a fake Salt and a fake clock ---------------
 class FakeSalt:
     """

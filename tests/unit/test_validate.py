@@ -23,6 +23,21 @@ def test_boolean_refused(value):
         validate.boolean("force", value)
 
 
+@pytest.mark.parametrize("value,expected", [
+    (None, []), ("", []), ("a, b,,c", ["a", "b", "c"]), (["a", 2], ["a", "2"]),
+    (("a",), ["a"]), ({"a"}, ["a"]), (7, ["7"]),
+])
+def test_as_list(value, expected):
+    assert validate.as_list("peers", value) == expected
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, True, object])
+def test_as_list_refused(value):
+    with pytest.raises(InvalidInput) as exc:
+        validate.as_list("peers", value)
+    assert str(exc.value) == f"peers must be a list or a comma separated string, not {value!r}"
+
+
 def test_boolean_default():
     assert validate.boolean("restart", None, default=True) is True
 
