@@ -1317,7 +1317,11 @@ def promote(peers=None, test=False, address=None, tgt="*", tgt_type="glob", verb
         salt-run multimaster.promote
     """
     try:
-        test, verbose = _flag("test", test), _flag("verbose", verbose)
+        verbose = _flag("verbose", verbose)
+    except SaltInvocationError as exc:
+        return _invalid(f"multimaster.promote: {exc}")
+    try:
+        test = _flag("test", test)
         salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
                                       cached_pillars=_member_pillars, sync=sync)
         ret = promote_core.promote(
