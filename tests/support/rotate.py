@@ -25,7 +25,29 @@ def marker_of(daemon):
     return pathlib.Path(daemon.config["cachedir"]) / MARKER
 
 
-class RestartWatcher:
+class Background:
+    """
+    A daemon thread running ``self._run`` while the ``with`` block runs;
+    ``self._stop`` is set at its end (``_run`` loops until it is).
+    """
+
+    def __init__(self, name):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self):
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=300)
+
+
+class RestartWatcher(Background):
     """
     Restart ``master`` when the restart marker in ``marker_owner``'s cachedir
     changes, for every ``(master, marker_owner)`` pair; ``enabled`` holds the
@@ -38,8 +60,7 @@ class RestartWatcher:
         self.enabled = {id(m) for m, _ in self.pairs}
         self.seen = {id(m): self._stamp(o) for m, o in self.pairs}
         self.restarts = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__("restart-watcher")
 
     def enable(self, master):
         """Restart ``master`` on the next request (a request made while disabled is dropped)."""
@@ -68,14 +89,6 @@ class RestartWatcher:
                 master.start()
                 self.restarts.append(master.id)
             self._stop.wait(0.5)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=300)
 
 
 def pki_snapshot(*daemons):

@@ -13,7 +13,8 @@ a command: a restart command whose program is not installed.
 import logging
 import os
 import pathlib
-import threading
+
+from tests.support.rotate import Background
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ while [ -e "{request}" ] && [ $i -lt 1200 ]; do sleep 0.1; i=$((i+1)); done
 """
 
 
-class MasterService:
+class MasterService(Background):
     """
     Restart each of ``masters`` (salt-factories daemons) when its command,
     ``command(master)``, asks; ``restarts`` lists the ids restarted, in order.
@@ -39,8 +40,7 @@ class MasterService:
         self.dir = pathlib.Path(directory)
         self.restarts = []
         self._busy = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="service-stand-in", daemon=True)
+        super().__init__("service-stand-in")
         for master in self.masters:
             self.install(master)
 
@@ -97,11 +97,3 @@ class MasterService:
                     self._busy = False
                 request.unlink(missing_ok=True)
             self._stop.wait(0.2)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=300)
