@@ -18,7 +18,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import salt.utils.crypt
@@ -27,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
 from salt_multimaster import finger as fingers
+from tests.support.cluster import wait_until
 
 pytestmark = pytest.mark.daemons
 
@@ -464,19 +464,31 @@ def test_single_minion_process(cluster):
 
 def test_duplicate_minion_process(cluster):
     daemon = minion(cluster, 3)
-    # seed 002: a second salt-minion started with the same configuration
+    # seed 002: a second salt-minion started with the same configuration,
+    # by a second service definition with its own pidfile (one pidfile for
+    # both and Salt's own guard, its "process responsibility" file beside
+    # the pidfile, makes the second exit as it starts)
     script = daemon.get_script_path()
+    pidfile = pathlib.Path(daemon.config["pidfile"]).with_name("second-service.pid")
     proc = subprocess.Popen(  # pylint: disable=consider-using-with
-        [sys.executable, script, f"--config-dir={conf_dir(daemon)}", "--log-level=quiet"],
+        [sys.executable, script, f"--config-dir={conf_dir(daemon)}", f"--pid-file={pidfile}",
+         "--log-level=quiet"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
-        time.sleep(3)
-        assert proc.poll() is None
-        ret = cluster.salt(cluster.primary, "multimaster.audit", minion_tgt=daemon.id,
-                           timeout=120)
+        seen = []
+
+        def found():
+            # the audit lists the second daemon from its first instant (its
+            # command line): asked until it does, while the daemon runs
+            assert proc.poll() is None, f"the second salt-minion exited: {proc.returncode}"
+            seen.append(cluster.salt(cluster.primary, "multimaster.audit",
+                                     minion_tgt=daemon.id, timeout=120))
+            return "duplicate_minion_process" in seen[-1].stdout
+
+        assert wait_until(found, deadline=60, step=1), seen[-1]
+        ret = seen[-1]
         assert ret.returncode != 0, ret
-        assert "duplicate_minion_process" in ret.stdout, ret
         text = ret.stdout
         assert f"PIDs {daemon.pid}" in text or str(proc.pid) in text, text
     finally:
