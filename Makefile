@@ -10,9 +10,11 @@ STAMP  := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` (--dist loadfile: a module and its
 # clusters stay in one worker; the slowest modules go out first,
-# tests/conftest.py).  Salt 3008, 2 cores: 1,289 s with two workers, 1,789 s
-# with the daemon tests in one.  0: one process.
-PYTEST_WORKERS ?= 2
+# tests/conftest.py).  The daemon tests wait on daemons a third of the
+# time: with two workers two cores stood idle 38% of the run.  Salt 3008,
+# 2 cores, one run each: 718 s with two workers, 538 s with three.
+# 0: one process.
+PYTEST_WORKERS ?= 3
 
 ifeq ($(wildcard $(CONSTRAINTS)),)
 $(error SALT=$(SALT): no $(CONSTRAINTS); supported lines: 3006 3007 3008)
