@@ -21,7 +21,11 @@ from salt_multimaster import fsutil, replicate, statefile
 
 log = logging.getLogger(__name__)
 
-KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied", "minions_autosign")
+# The pki_dir subdirectories a sync replicates; the first four are the
+# states a minion key is in (salt-key's lists), minions_autosign holds
+# autosign grants named by minion id, not keys.
+KEY_DIRS = ("minions", "minions_pre", "minions_rejected", "minions_denied", "minions_autosign")
+KEY_STATES = KEY_DIRS[:4]
 # Key dirs whose files Salt rewrites in place (its dir's mtime unchanged):
 # Salt 3006 and 3007 write a denied key over minions_denied/<id> (``w+``)
 # when the same id comes back with yet another key.  Each of their keys is
@@ -1073,12 +1077,12 @@ def keys_state(pki_dir, ids, errors=None):
     """
     errors = errors if errors is not None else []
     cache = HashCache()
-    ret = {state: {} for state in KEY_STATES}
+    ret = {state: {} for state in KEY_DIRS}
     for mid in ids:
         if not valid_minion_id(mid):
             errors.append(f"{mid!r}: invalid minion id, skipped")
             continue
-        for state in KEY_STATES:
+        for state in KEY_DIRS:
             sha = _key_entry(state, mid, os.path.join(pki_dir, state, mid), cache, errors)
             if sha is not None:
                 ret[state][mid] = sha
@@ -1152,7 +1156,7 @@ def _key_part(entries):
 
 def _valid_key_entries(entries):
     return isinstance(entries, dict) and all(
-        state in KEY_STATES and isinstance(keys, dict)
+        state in KEY_DIRS and isinstance(keys, dict)
         and all(isinstance(e, list) and len(e) == 4 and isinstance(e[3], str)
                 for e in keys.values())
         for state, keys in entries.items())
@@ -1376,13 +1380,13 @@ class KeysSnapshot:
         if unchanged is None:
             # no watcher's word: the stamps of the key dirs
             unchanged = set() if rescan else self._unchanged(stamps)
-        self.reused = bool(self.meta) and len(unchanged) == len(KEY_STATES)
+        self.reused = bool(self.meta) and len(unchanged) == len(KEY_DIRS)
         if self.reused:
             self.digest = self.meta["digest"]
             self.counts = self.meta["counts"]
-            self.errors = [e for state in KEY_STATES for e in self.meta["errors"][state]]
+            self.errors = [e for state in KEY_DIRS for e in self.meta["errors"][state]]
             self.damaged = {state: list(self.meta["damaged"].get(state) or [])
-                            for state in KEY_STATES if self.meta["damaged"].get(state)}
+                            for state in KEY_DIRS if self.meta["damaged"].get(state)}
         else:
             self._scan(stamps, unchanged, names)
 
@@ -1407,7 +1411,7 @@ class KeysSnapshot:
         found = ((reply.get("names") or {}).get(tree)) or {}
         errors = self.meta.get("errors") or {}
         unchanged, names = set(), {}
-        for state in KEY_STATES:
+        for state in KEY_DIRS:
             if state not in changed:
                 unchanged.add(state)
                 continue
@@ -1419,7 +1423,7 @@ class KeysSnapshot:
         return unchanged, names, token
 
     def _stamps(self):
-        return {state: _dir_stamp(os.path.join(self.pki_dir, state)) for state in KEY_STATES}
+        return {state: _dir_stamp(os.path.join(self.pki_dir, state)) for state in KEY_DIRS}
 
     def _unchanged(self, stamps):
         """
@@ -1476,7 +1480,7 @@ class KeysSnapshot:
         if not self.meta:
             unchanged, names = set(), {}
         names = names or {}
-        listed = [state for state in KEY_STATES if state not in unchanged]
+        listed = [state for state in KEY_DIRS if state not in unchanged]
         clock = _fs_clock(self.state_dir, [stamps[state] for state in listed])
         taken = time.time_ns()
         written = _Lazy(lambda: open_hashcache(self.state_dir, KEYS_HASHCACHE))
@@ -1490,7 +1494,7 @@ class KeysSnapshot:
         self.damaged = {state: ids for state, ids in damaged.items() if ids}
         self.hashed = written.value.hashed if written.value is not None else 0
         self._parts = None
-        self.errors = [e for state in KEY_STATES for e in errors[state]]
+        self.errors = [e for state in KEY_DIRS for e in errors[state]]
         if self._token is None and self._stamps() != stamps:
             # a key dir changed while it was listed: list it again next time
             # (with a watcher, its token was taken before: it tells next time)
@@ -1524,8 +1528,8 @@ class KeysSnapshot:
             return None
         meta = self.meta
         errors = {state: [] if state in names else list(meta["errors"][state])
-                  for state in KEY_STATES}
-        digest, counts = dict(meta["digest"]), {s: meta["counts"].get(s, 0) for s in KEY_STATES}
+                  for state in KEY_DIRS}
+        digest, counts = dict(meta["digest"]), {s: meta["counts"].get(s, 0) for s in KEY_DIRS}
         files = {state: dict((meta.get("files") or {}).get(state) or {})
                  for state in REWRITTEN_IN_PLACE}
         for bucket, changed in where.items():
@@ -1546,7 +1550,7 @@ class KeysSnapshot:
             else:
                 digest.pop(bucket, None)
         damaged = {state: damaged_sources(errors[state]).get(state, []) if state in names
-                   else list(meta["damaged"].get(state) or []) for state in KEY_STATES}
+                   else list(meta["damaged"].get(state) or []) for state in KEY_DIRS}
         was = meta["digest"]
         previous = _LazyParts(lambda: was, lambda b: _key_part(old[b] if b in old else self._entries_of(b)))
         self._previous = (was, lambda: previous)
@@ -1570,7 +1574,7 @@ class KeysSnapshot:
             self._previous = (self.meta["digest"], _Lazy(lambda: {
                 bucket: _key_part(entries) for bucket, entries in saved.items()}).get)
         errors, damaged, new = {}, {}, {}
-        for state in KEY_STATES:
+        for state in KEY_DIRS:
             if state in unchanged:
                 errors[state] = list(self.meta["errors"][state])
                 damaged[state] = list(self.meta["damaged"].get(state) or [])
@@ -1587,7 +1591,7 @@ class KeysSnapshot:
         self._entries, self._full = new, True
         self.digest = {bucket: _part_digest(_key_part(entries)) for bucket, entries in new.items()}
         self.counts = {state: sum(len(entries.get(state) or {}) for entries in new.values())
-                       for state in KEY_STATES}
+                       for state in KEY_DIRS}
         files = {state: {mid: entry[:3] for entries in new.values()
                          for mid, entry in (entries.get(state) or {}).items()}
                  for state in REWRITTEN_IN_PLACE}
@@ -1627,7 +1631,7 @@ class KeysSnapshot:
         """``{state: {id: sha256}}`` of every key (every bucket read)."""
         for bucket in list(self.digest):
             self._entries_of(bucket)  # a listing if one does not match
-        ret = {state: {} for state in KEY_STATES}
+        ret = {state: {} for state in KEY_DIRS}
         for bucket in self.digest:
             for state, keys in self._entries_of(bucket).items():
                 ret[state].update((mid, entry[3]) for mid, entry in keys.items())

@@ -51,7 +51,6 @@ HEADER = (
     "# Merged with multimaster:peers of your own master.d files (a union); see\n"
     "# docs/add-remove-peer.rst.\n"
 )
-KEY_STATES = ("minions", "minions_pre", "minions_rejected", "minions_denied")
 
 
 class MembershipError(ValueError):
@@ -154,7 +153,7 @@ def shadowed(conf_file, dropin):
 
 def key_state(pki_dir, minion_id):
     """Which key dir of ``pki_dir`` holds ``minion_id`` (None: no key)."""
-    for state in KEY_STATES:
+    for state in manifest.KEY_STATES:
         if os.path.isfile(os.path.join(pki_dir, state, minion_id)):
             return state
     return None

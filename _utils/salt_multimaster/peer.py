@@ -537,7 +537,7 @@ def apply_minion_keys(app, ops):
     for op in ops:
         rel = f"{op['state']}/{op['id']}"
         try:
-            if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_STATES:
+            if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_DIRS:
                 raise PeerError(f"{rel}: invalid minion id or key state")
             path = app.safe_join(pki, rel)
             if op["op"] == replicate.WRITE:
@@ -989,7 +989,7 @@ def restore_target(mopts, rel):
     except protocol.ProtocolError:
         raise backup.BackupError(f"{rel}: unknown category") from None
     if cat == "minion_keys":
-        if fields["state"] not in manifest.KEY_STATES or not manifest.valid_minion_id(fields["id"]):
+        if fields["state"] not in manifest.KEY_DIRS or not manifest.valid_minion_id(fields["id"]):
             raise backup.BackupError(f"{rel}: not a minion key")
         return fsutil.safe_join(mopts["pki_dir"], f"{fields['state']}/{fields['id']}"), 0o644
     if cat in ("file_roots", "pillar_roots"):
@@ -1062,7 +1062,7 @@ COLLECT_MAX_BYTES = 512 * 1024
 def _collect_path(mopts, cat, fields):
     """Where this peer holds the item, confined to its pki_dir or roots."""
     if cat == "minion_keys":
-        if fields["state"] not in manifest.KEY_STATES or not manifest.valid_minion_id(
+        if fields["state"] not in manifest.KEY_DIRS or not manifest.valid_minion_id(
                 fields["id"]):
             raise PeerError("not a minion key")
         return fsutil.safe_join(mopts["pki_dir"], f"{fields['state']}/{fields['id']}")

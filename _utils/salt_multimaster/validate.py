@@ -245,7 +245,7 @@ def _op(cat, index, op):
         raise InvalidInput(f"{where} must be a mapping, not {op!r}")
     kind = _need(where, op, "op", str, lambda v: v in (replicate.WRITE, replicate.REMOVE))
     if cat == "minion_keys":
-        _need(where, op, "state", str, lambda v: v in manifest.KEY_STATES)
+        _need(where, op, "state", str, lambda v: v in manifest.KEY_DIRS)
         _need(where, op, "id", str, manifest.valid_minion_id)
         if kind == replicate.WRITE:
             _need(where, op, "sha256", str, _sha)

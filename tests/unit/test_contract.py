@@ -100,7 +100,7 @@ def _tree(root):
 
 
 def _keys(opts):
-    return {state: _tree(os.path.join(opts["pki_dir"], state)) for state in manifest.KEY_STATES
+    return {state: _tree(os.path.join(opts["pki_dir"], state)) for state in manifest.KEY_DIRS
             if os.path.isdir(os.path.join(opts["pki_dir"], state))}
 
 

@@ -156,7 +156,7 @@ def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
     listed, errors = _listed(pki, tmp_path)
     assert first.manifest == listed and first.errors == errors
     assert first.digest == digest_of_keys(listed)
-    assert first.counts == {s: len(listed[s]) for s in manifest.KEY_STATES}
+    assert first.counts == {s: len(listed[s]) for s in manifest.KEY_DIRS}
     # nothing changed: nothing is listed, the manifest is read back only on demand
     again = manifest.KeysSnapshot(str(pki), str(state))
     assert again.reused and again.hashed == 0
@@ -391,7 +391,7 @@ def test_keys_state_is_the_listing_of_chosen_ids(tmp_path):
     man, _ = _listed(pki, tmp_path)
     chosen = manifest.keys_state(str(pki), ["web1", "absent", "junk", "../x"], errors=errors)
     assert chosen == {s: {m: v for m, v in man[s].items() if m == "web1"}
-                      for s in manifest.KEY_STATES}
+                      for s in manifest.KEY_DIRS}
     assert chosen["minions_denied"] == {"web1": manifest.key_sha(other)}
     assert [e.split(":")[0] for e in errors] == ["minions/junk", "'../x'"]
 

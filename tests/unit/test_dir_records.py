@@ -389,7 +389,7 @@ def _pki(tmp_path):
     from tests.support.cluster import gen_keypair
 
     pki = tmp_path / "pki"
-    for state in manifest.KEY_STATES:
+    for state in manifest.KEY_DIRS:
         (pki / state).mkdir(parents=True)
     pub = gen_keypair(1024)[1]
     for i in range(30):
@@ -604,16 +604,16 @@ def test_random_key_changes_through_the_journal_read_as_a_listing(pki, tmp_path)
     last = _keys(pki, state, fake)[1]
     for rnd in range(30):
         for _ in range(rng.randrange(1, 6)):
-            here = [(s, n) for s in manifest.KEY_STATES for n in os.listdir(pki / s)]
+            here = [(s, n) for s in manifest.KEY_DIRS for n in os.listdir(pki / s)]
             what = rng.choice(["add", "move", "delete", "rewrite"]) if here else "add"
             if what == "add":
-                st, name = rng.choice(manifest.KEY_STATES), f"k{rnd}-{rng.randrange(1000)}"
+                st, name = rng.choice(manifest.KEY_DIRS), f"k{rnd}-{rng.randrange(1000)}"
                 (pki / st / name).write_bytes(rng.choice(pubs))
                 fake.touch(pki / st, name)
                 continue
             st, name = rng.choice(here)
             if what == "move":
-                to = rng.choice([s for s in manifest.KEY_STATES if s != st])
+                to = rng.choice([s for s in manifest.KEY_DIRS if s != st])
                 if (pki / to / name).exists():
                     continue
                 os.rename(pki / st / name, pki / to / name)
