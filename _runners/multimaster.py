@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+import salt.client
 import salt.loader
 import salt.utils.event
 import salt.utils.extmods
@@ -44,7 +45,7 @@ __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "guard", "jobs", "layout",
-                                 "lock", "manifest", "membership", "outage", "protocol", "publish",
+                                 "lock", "manifest", "membership", "outage", "protocol",
                                  "replicate", "report", "restart", "revocation", "rotation",
                                  "rounds", "seal", "validate")}
 _CORE["sync_core"] = "sync"
@@ -55,8 +56,8 @@ _CORE["epochs"] = "epoch"
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, guard, jobs, layout, lock,
-                                  manifest, membership, outage, protocol, publish, replicate,
-                                  report, restart, revocation, rotation, rounds, seal, validate)
+                                  manifest, membership, outage, protocol, replicate, report,
+                                  restart, revocation, rotation, rounds, seal, validate)
     # the public functions failback() and promote() take the modules' names
     from salt_multimaster import epoch as epochs
     from salt_multimaster import failback as failback_core
@@ -260,11 +261,8 @@ PROGRESS_EVERY = 5
 
 
 def _client():
-    """
-    A LocalClient of this master (the caller destroys it), without the
-    module loaders a publish does not use (:mod:`salt_multimaster.publish`).
-    """
-    return publish.PublishClient(__opts__)
+    """A LocalClient of this master (the caller destroys it), made as salt/runners/manage.py makes one."""
+    return salt.client.get_local_client(mopts=__opts__)
 
 
 def _gather_timeout():
@@ -359,7 +357,7 @@ class _Salt:
     """
     What the rounds of a sync (:class:`salt_multimaster.rounds.Rounds`)
     ask of Salt: publishing to the peers, progress lines, the job cache.
-    ``event``: the job's own event connection (:func:`_job_record`), or None:
+    ``event``: the job's own event connection (:func:`_own_job`), or None:
     then the progress events go out on a connection of this call's own,
     closed by :meth:`close`.
     """
@@ -466,31 +464,16 @@ def _run_rounds(job, conf, categories, test=False, force=False, ids=None):
     return ret
 
 
-@contextlib.contextmanager
-def _job_record(fun, tgt, /, **kwargs):
+def _own_job(fun):
     """
-    Yield ``(jid, event)``: this runner job's own jid and its connection to
-    the master event bus (``__jid_event__``), each None when it cannot be
-    told; save the job's record naming its one target
-    (``salt_multimaster.jobs``) and the call's arguments in a thread while
-    the job runs, before it returns, so before Salt stores the job.
-
-    Salt sets ``__jid__`` and ``__jid_event__`` in this module's globals at
-    each call, and Salt 3008's reactor runs runner jobs in threads of one
-    process: the globals can be another job's, whose connection Salt closes
-    when that job ends.  So the jid is the one :func:`jobs.own_job` finds,
-    and the connection is used only when it is that job's (its tag ends in
-    the jid), taken once, here.
+    ``(jid, event)`` of this call: the ``__jid__`` Salt set for the runner
+    job (None outside one) and, when ``salt-run`` itself runs ``fun``, the
+    job's connection to the master event bus (``__jid_event__``), which
+    prints its progress lines; else None (the reactor, the scheduler, a
+    ``peer_run`` call).  Salt stores the job's record as for any runner job.
     """
-    jid, running = jobs.own_job(__opts__, globals().get("__jid__"), fun, kwargs)
-    event = jobs.job_event(globals().get("__jid_event__"), jid)
-    thread = jobs.record_in_thread(__opts__, jid, fun, tgt, jobs.args(**kwargs), running) \
-        if jid is not None else None
-    try:
-        yield jid, event
-    finally:
-        if thread is not None:
-            thread.join()
+    event = globals().get("__jid_event__") if __opts__.get("fun") == fun else None
+    return globals().get("__jid__"), event
 
 
 def _compact(fun):
@@ -572,14 +555,12 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         test, verbose = _flag("test", test), _flag("verbose", verbose)
     except SaltInvocationError as exc:
         return _invalid(str(exc))
-    with _job_record("multimaster.sync", __opts__.get("id"), peers=peers, only=only,
-                     test=test or None, force=force or None, minion_ids=minion_ids,
-                     **kwargs) as (jid, event):
-        job = _Salt(event)
-        try:
-            ret = _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs)
-        finally:
-            job.close()
+    jid, event = _own_job("multimaster.sync")
+    job = _Salt(event)
+    try:
+        ret = _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs)
+    finally:
+        job.close()
     if _compact("multimaster.sync"):
         return {"outputter": "txt",
                 "data": report.sync_rows(ret, test, verbose)}
@@ -664,12 +645,7 @@ def pull(request):
         salt master02 publish.runner multimaster.pull
     """
     caller = __opts__.get("id")
-    with _job_record("multimaster.pull", caller, request=request) as (jid, _):
-        return _pull(request, caller, jid)
-
-
-def _pull(request, caller, jid):
-    served = sync_core.serve_pull(__opts__, request, caller, jid)
+    served = sync_core.serve_pull(__opts__, request, caller, _own_job("multimaster.pull")[0])
     if "error" in served:
         return served
     # the master prints each runner return it serves with the outputter the
@@ -754,13 +730,11 @@ def status(peers=None, verbose=False, **kwargs):
         verbose = _flag("verbose", verbose)
     except SaltInvocationError as exc:
         return _invalid(str(exc))
-    with _job_record("multimaster.status", __opts__.get("id"), peers=peers,
-                     **kwargs) as (_, event):
-        job = _Salt(event)
-        try:
-            ret = _status(job, peers, **kwargs)
-        finally:
-            job.close()
+    job = _Salt(_own_job("multimaster.status")[1])
+    try:
+        ret = _status(job, peers, **kwargs)
+    finally:
+        job.close()
     if _compact("multimaster.status"):
         return {"outputter": "txt", "data": report.status_rows(ret, verbose)}
     return ret
@@ -860,13 +834,6 @@ def audit(
         salt-run multimaster.audit tgt='web*' --out=json
         salt-run multimaster.audit tgt=G@os:Debian tgt_type=compound
     """
-    with _job_record("multimaster.audit", __opts__.get("id"), tgt=tgt, tgt_type=tgt_type,
-                     timeout=timeout, masters=masters, master_finger=master_finger,
-                     topology=topology, master_version=master_version):
-        return _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version)
-
-
-def _audit(tgt, tgt_type, timeout, masters, master_finger, topology, master_version):
     # bad input: a retcode in the return (a raised SaltInvocationError leaves
     # salt-run exiting 0 on 3008)
     if not tgt or not isinstance(tgt, (str, list)):
@@ -1237,13 +1204,12 @@ def failback(peer=None, test=False, keep=None, verbose=False, **kwargs):
         verbose = _flag("verbose", verbose)
     except SaltInvocationError as exc:
         return _invalid(f"multimaster.failback: {exc}")
-    with _job_record("multimaster.failback", __opts__.get("id"), peer=peer,
-                     test=test or None, keep=keep, **kwargs) as (jid, event):
-        job = _Salt(event)
-        try:
-            ret = _failback(job, jid, peer, test, keep, **kwargs)
-        finally:
-            job.close()
+    jid, event = _own_job("multimaster.failback")
+    job = _Salt(event)
+    try:
+        ret = _failback(job, jid, peer, test, keep, **kwargs)
+    finally:
+        job.close()
     if ret.get("retcode"):
         __context__["retcode"] = ret["retcode"]
     if _compact("multimaster.failback"):

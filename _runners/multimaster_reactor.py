@@ -64,24 +64,6 @@ def _state_dir():
     return layout.state_dir(__opts__)
 
 
-def _record_job(**kwargs):
-    """
-    Save this job's record naming its one target, this master (see
-    ``salt_multimaster.jobs``): a reactor runs key_event once per key event,
-    and Salt would list every minion key to store each of those jobs.
-    """
-    try:
-        # the multimaster runner brings the core onto sys.path when loaded
-        # (the file_roots install syncs it as utils)
-        if "multimaster.sync" not in __salt__:
-            return
-        from salt_multimaster import jobs  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        return
-    jobs.record(__opts__, globals().get("__jid__"), "multimaster_reactor.key_event",
-                __opts__.get("id"), jobs.args(**kwargs), kwargs=kwargs)
-
-
 def _valid_event_id(minion_id):
     """Whether a key event's minion id may be queued (``salt_multimaster.validate``)."""
     try:
@@ -234,7 +216,6 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
 
         salt-run multimaster_reactor.key_event act=accepted minion_id=web01
     """
-    _record_job(act=act, minion_id=minion_id)
     if act is not None and act not in KEY_ACTS:
         return {"ignored": f"act {act!r}"}
     if isinstance(minion_id, (int, float)) and not isinstance(minion_id, bool):

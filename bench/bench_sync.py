@@ -366,18 +366,8 @@ import os
 
 
 def blob(size):
-    """
-    bench only: ``size`` random bytes, returned like a multimaster.pull
-    chunk, its job record saved like the pull saves its own
-    """
-    from salt_multimaster import jobs
-
-    thread = jobs.record_in_thread(__opts__, globals().get("__jid__"), "mmbench.blob",
-                                   __opts__.get("id"), [f"size={size}"])
-    try:
-        return {"outputter": "no_return", "data": {"sealed": os.urandom(int(size))}}
-    finally:
-        thread.join()
+    """bench only: ``size`` random bytes, returned like a multimaster.pull chunk"""
+    return {"outputter": "no_return", "data": {"sealed": os.urandom(int(size))}}
 '''
 
 

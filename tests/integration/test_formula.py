@@ -611,42 +611,6 @@ def test_key_burst_is_coalesced(frr):
             m.terminate()
 
 
-@pytest.mark.skipif(
-    salt.version.__version_info__[0] < 3008,
-    reason="Salt 3006/3007 keep no proc file for a reactor's runner job, so "
-           "key_event cannot tell it runs its own job and leaves the record to "
-           "Salt (which lists every key to save it): slower, still correct",
-)
-@pytest.mark.usefixtures("reactor")
-def test_key_event_jobs_saved_their_own_records(frr):
-    """Each key_event job of a few accepted keys saved its own record."""
-    from tests.support.cluster import gen_keypair  # pylint: disable=import-outside-toplevel
-
-    pre = frr.pki_dir(frr.primary) / "minions_pre"
-    ids = [f"frr-rec{i}" for i in range(3)]
-    for mid in ids:
-        (pre / mid).write_bytes(gen_keypair(1024)[1])
-    before = {jid for jid, _, _ in frr.job_records(
-        frr.primary, "runner.multimaster_reactor.key_event")}
-    ret = frr.salt_key(frr.primary, "-A", "-y")
-    assert ret.returncode == 0, ret
-    assert wait_until(lambda: set(ids) <= set(frr.keys(frr.peers[0])["minions"])), _diag(frr)
-    # each key_event job saved its own record (Salt's would list every
-    # key for each event, and carry the return); the syncs it ran under
-    # its jid left that record alone
-    def new_events():
-        return [rec for rec in frr.job_records(frr.primary, "runner.multimaster_reactor.key_event")
-                if rec[0] not in before]
-
-    assert wait_until(lambda: len(new_events()) >= 3), new_events()
-    events = new_events()
-    for _jid, load, minions in events:
-        assert "return" not in load and load["tgt"] == frr.primary.config["id"], load
-        assert minions == []
-    assert not {jid for jid, _, _ in events} & {
-        jid for jid, _, _ in frr.job_records(frr.primary, "runner.multimaster.sync")}
-
-
 @pytest.mark.usefixtures("reactor")
 def test_large_key_burst_costs_two_syncs(frr):
     """salt-key -A of many pending keys: the first event syncs, one more covers the rest."""

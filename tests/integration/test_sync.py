@@ -277,38 +277,6 @@ def test_sync_replicates_everything(cluster, first_run):
     assert first_run["pull_dir"] == []
 
 
-def test_job_records_name_their_one_target(cluster):
-    """
-    A sync's job record, and the record of each pull a peer makes, name their
-    one target; Salt would list every minion key to work it out (seconds on
-    a large master).  Salt still stores the return beside the record.
-    """
-    ret = cluster.salt_run(cluster.primary, "multimaster.status")
-    assert ret.returncode == 0, ret.stdout
-    jid, load, minions = cluster.job_records(cluster.primary, "runner.multimaster.status")[-1]
-    master_id = cluster.primary.config["id"]
-    # Salt's own record of a runner job carries the whole return; this one
-    # was saved before the job ended
-    assert "return" not in load, load
-    assert (load["tgt"], load["tgt_type"], minions) == (master_id, "glob", [])
-    looked_up = cluster.salt_run(cluster.primary, "jobs.lookup_jid", jid)
-    assert looked_up.returncode == 0, looked_up.stdout
-    assert list(looked_up.data) == [master_id], looked_up.data
-    stored = looked_up.data[master_id]
-    assert stored["fun"] == "runner.multimaster.status", stored
-    assert sorted(stored["return"]) == sorted(m.id for m in cluster.peer_minions)
-    # a pull names its caller, even a refused one
-    pm = cluster.peer_minions[0]
-    ret = cluster.salt(cluster.primary, "publish.runner", "multimaster.pull",
-                       "arg=request=bogus", minion_tgt=pm.id)
-    assert ret.returncode == 0, ret.stdout
-    assert "unknown or malformed pull request" in str(ret.data), ret.data
-    jid, load, minions = cluster.job_records(cluster.primary, "runner.multimaster.pull")[-1]
-    assert "return" not in load, load
-    assert (load["tgt"], minions) == (pm.id, [pm.id])
-    assert any(cluster.job_cache(cluster.primary).glob(f"*/*/{pm.id}/return.p"))
-
-
 def _published(cluster, master, fun):
     """The keyword arguments of every ``fun`` job the master published."""
     import salt.payload  # pylint: disable=import-outside-toplevel

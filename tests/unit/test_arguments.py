@@ -154,14 +154,12 @@ MALFORMED = ["", "x\x00y", "../../etc", "*", -1, 0, 2 ** 70, 1.5, float("nan"), 
 @pytest.fixture
 def sandboxed(tmp_path, monkeypatch):
     """Loader modules over a temp dir, nothing able to reach a daemon or restart anything."""
-    from salt_multimaster import publish  # pylint: disable=import-outside-toplevel
     import salt.client  # pylint: disable=import-outside-toplevel
 
     def no_daemon(*args, **kwargs):
         raise RuntimeError("no daemon in this test")
 
     monkeypatch.setattr(salt.client, "LocalClient", no_daemon)
-    monkeypatch.setattr(publish, "PublishClient", no_daemon)
     monkeypatch.setattr(rotation, "CHECK_TRIES", 1)  # no daemon to wait for
 
     def load(kind):

@@ -495,7 +495,7 @@ def test_render_rows():
 class FakeClient:
     calls = []
 
-    def __init__(self, mopts=None):
+    def __init__(self, mopts=None, **kwargs):  # pylint: disable=unused-argument
         self.mopts = mopts
 
     def cmd(self, tgt, fun, **kwargs):
@@ -518,7 +518,7 @@ def _run_runner(runner, output=None, **kwargs):
     opts = {"id": "master01", "timeout": 5, "output": output}
     FakeClient.calls = []
     with mock.patch.dict(runner.__opts__, opts, clear=True), \
-            mock.patch("salt_multimaster.publish.PublishClient", FakeClient), \
+            mock.patch("salt.client.LocalClient", FakeClient), \
             mock.patch("salt.utils.minions.CkMinions", FakeCkMinions):
         return runner.audit(**kwargs)
 

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import salt.client
 
-from salt_multimaster import publish, sync
+from salt_multimaster import sync
 from tests.conftest import REPO
 from tests.support.cluster import gen_keypair
 
@@ -35,10 +35,8 @@ def runner(tmp_path, monkeypatch):
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"published with bad input: {args} {kwargs}")
 
-    # Salt's client (the runner's is salt_multimaster.publish's), the one way
-    # anything reaches a peer
+    # Salt's client, the one way anything reaches a peer
     monkeypatch.setattr(salt.client, "LocalClient", nothing_sent)
-    monkeypatch.setattr(publish, "PublishClient", nothing_sent)
     return mod
 
 
@@ -170,7 +168,7 @@ def test_a_peer_job_is_tracked_for_the_masters_gather_job_timeout(runner, monkey
     """A busy peer answers find_job late: it is waited for as long as Salt's CLI would."""
     if configured is not None:
         runner.__opts__["gather_job_timeout"] = configured
-    monkeypatch.setattr(publish, "PublishClient", _Client)
+    monkeypatch.setattr(salt.client, "LocalClient", _Client)
     _Client.waits = []
     ret = runner.sync(peers="m2", only="master_config", timeout=5)
     assert ret["m2"]["result"] is False  # nothing returned: reported, not hidden
