@@ -102,11 +102,11 @@ def mark_restart(mopts, marker):
 
 
 def _valid_marker(data):
-    """A marker of this release (``{"written", "master"}``) or of an earlier one (a time)."""
-    if isinstance(data, dict):
-        recorded = data.get("master")
-        return recorded is None or (isinstance(recorded, list) and len(recorded) == 2)
-    return isinstance(data, (int, float)) and not isinstance(data, bool)
+    """A marker: ``{"written", "master"}``."""
+    if not isinstance(data, dict):
+        return False
+    recorded = data.get("master")
+    return recorded is None or (isinstance(recorded, list) and len(recorded) == 2)
 
 
 def loaded_files(mopts):
@@ -151,9 +151,7 @@ def restart_pending(mopts, marker):
     master running at the write, the one running now started after it.
     (psutil's start time can be up to a second early against the wall
     clock: Linux gives the boot time in whole seconds, so a master
-    restarted within a second of the write looked as if it had not.)  Only
-    a marker of an earlier release, a bare time, is compared with the
-    master's start time.
+    restarted within a second of the write looked as if it had not.)
     """
     try:
         data = statefile.read(marker, valid=_valid_marker)
@@ -171,10 +169,7 @@ def restart_pending(mopts, marker):
     running = master_process(mopts)
     if running is None:
         return None
-    if isinstance(data, dict):
-        recorded = data.get("master")
-        if recorded is None:
-            return False
-        return running == recorded
-    started = master_started(mopts)
-    return None if started is None else started < data
+    recorded = data.get("master")
+    if recorded is None:
+        return False
+    return running == recorded

@@ -112,9 +112,9 @@ def history_path(state_dir):
 
 
 def _valid_history(meta):
-    """The key history's names: this format's, or an earlier release's single list."""
-    return isinstance(meta, list) or (isinstance(meta, dict) and meta.get(
-        "format") == HISTORY_FORMAT and isinstance(meta.get("buckets"), dict))
+    """The key history's names, in this format."""
+    return isinstance(meta, dict) and meta.get("format") == HISTORY_FORMAT and isinstance(
+        meta.get("buckets"), dict)
 
 
 def _valid_ids(data):
@@ -130,9 +130,7 @@ class KeyHistory:
     an apply that writes one key reads and writes one bucket, not the ids
     of every key.  A bucket file lost or damaged reads as no id received
     (its removals on the primary then read as conflicts here, never as
-    deletions) until the history record finds its keys equal again.  The
-    single list an earlier release saved is read whole, and written in
-    buckets by the first save.
+    deletions) until the history record finds its keys equal again.
     """
 
     def __init__(self, state_dir):
@@ -140,32 +138,20 @@ class KeyHistory:
                               "from the primary (a removal there reads as a conflict) until "
                               "the next sync records them again", valid=_valid_history)
         self.state_dir = state_dir
-        self.legacy = None
-        shas = {}
-        if isinstance(meta, list):
-            self.legacy = {}
-            for mid in meta:
-                if isinstance(mid, str):
-                    self.legacy.setdefault(manifest.bucket_of(mid), set()).add(mid)
-        elif isinstance(meta, dict) and meta.get("format") == HISTORY_FORMAT:
-            shas = meta.get("buckets")
-        # not a cache: flushed, as the single list was
-        self.files = manifest.BucketFiles(os.path.join(state_dir, HISTORY_BUCKETS), shas,
+        # not a cache: flushed
+        self.files = manifest.BucketFiles(os.path.join(state_dir, HISTORY_BUCKETS),
+                                          meta.get("buckets") if meta else {},
                                           _valid_ids, durable=True)
         self.changed = {}
 
     def buckets(self):
         """The buckets that hold an id."""
-        if self.legacy is not None:
-            return set(self.legacy) | {b for b, ids in self.changed.items() if ids}
         return {b for b in set(self.files.shas) | set(self.changed) if self.ids(b)}
 
     def ids(self, bucket):
         """The ids of ``bucket`` received (a set)."""
         if bucket in self.changed:
             return set(self.changed[bucket])
-        if self.legacy is not None:
-            return set(self.legacy.get(bucket, ()))
         return set((self.files.get(bucket) or {}).get("ids", ()))
 
     def all(self):
@@ -178,16 +164,13 @@ class KeyHistory:
             self.changed[bucket] = set(ids)
 
     def save(self):
-        """Write the changed buckets (every bucket after a single-list history), then their names."""
-        if not self.changed and self.legacy is None:
+        """Write the changed buckets, then their names."""
+        if not self.changed:
             return
-        todo = dict(self.changed)
-        if self.legacy is not None:
-            todo = {**self.legacy, **todo}
-        self.files.save({b: {"ids": sorted(ids)} for b, ids in todo.items()})
+        self.files.save({b: {"ids": sorted(ids)} for b, ids in self.changed.items()})
         statefile.write(history_path(self.state_dir),
                         json.dumps({"format": HISTORY_FORMAT, "buckets": self.files.shas}))
-        self.legacy, self.changed = None, {}
+        self.changed = {}
 
 
 def read_history(state_dir):

@@ -710,5 +710,5 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
     assert record() == [manifest.bucket_of("m3")] and "m3" in peer.read_history(state)
     # the history rewritten by anyone else: every bucket is checked again
     with open(peer.history_path(state), "w", encoding="utf-8") as fh:
-        json.dump(["m1"], fh)  # the single list of an earlier release
+        json.dump({"format": 1, "buckets": {}}, fh)  # not this release's format
     assert record() == every and len(peer.read_history(state)) == 41

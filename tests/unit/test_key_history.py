@@ -57,17 +57,15 @@ def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path
     assert read == [bucket]
 
 
-def test_the_single_list_of_an_earlier_release_is_read_then_written_in_buckets(tmp_path):
+def test_a_list_history_is_damaged_and_reads_as_no_id_received(tmp_path):
+    """Not this release's format: no id received (removals read as conflicts), never trusted."""
     state = str(tmp_path)
-    ids = [f"web{i}" for i in range(50)]
     with open(peer.history_path(state), "w", encoding="utf-8") as fh:
-        json.dump(ids, fh)
-    assert peer.read_history(state) == sorted(ids)
-    _apply(state, removed=["web3"], added=["db1"])
-    meta = manifest.read_json(peer.history_path(state))
-    assert meta["format"] == peer.HISTORY_FORMAT
-    assert sorted(meta["buckets"]) == sorted({manifest.bucket_of(m) for m in ids + ["db1"]})
-    assert peer.read_history(state) == sorted(set(ids) - {"web3"} | {"db1"})
+        json.dump([f"web{i}" for i in range(50)], fh)
+    assert peer.read_history(state) == []
+    _apply(state, added=["db1"])
+    assert manifest.read_json(peer.history_path(state))["format"] == peer.HISTORY_FORMAT
+    assert peer.read_history(state) == ["db1"]
 
 
 def test_a_damaged_history_bucket_reads_as_no_id_received_and_the_others_stay(tmp_path):
@@ -92,8 +90,7 @@ def test_a_damaged_history_bucket_reads_as_no_id_received_and_the_others_stay(tm
 def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
     state, rng = str(tmp_path), random.Random(7)
     model = {f"k{i}" for i in range(120)}
-    with open(peer.history_path(state), "w", encoding="utf-8") as fh:
-        json.dump(sorted(model), fh)  # starts from an earlier release's list
+    _apply(state, added=sorted(model))
     for _ in range(40):
         added = {f"k{rng.randrange(300)}" for _ in range(rng.randrange(6))}
         removed = {f"k{rng.randrange(300)}" for _ in range(rng.randrange(6))} - added
