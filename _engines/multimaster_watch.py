@@ -12,6 +12,13 @@ stats only the keys named instead of every key.  Without the engine, or
 whenever it cannot vouch for a tree (restarted, events lost, a directory
 renamed, out of inotify watches), a sync reads everything, as it always did.
 
+On a primary (a master whose config names ``multimaster:peers``) the
+journal is also a trigger: a change in a root or a key dir is replicated to
+every peer within seconds (``multimaster.sync only=<what changed>``, once
+the changes have stopped for ``quiet`` seconds, at most ``max_wait``
+seconds after the first; ``salt_multimaster.trigger``).  ``replicate:
+False`` keeps the journal only.
+
 Enable it on every master (the formula's ``multimaster.master`` state writes
 it with pillar ``multimaster:master:watch: True``):
 
@@ -27,7 +34,9 @@ not vouched for: changes made on another host raise no event here.
 import logging
 import threading
 
-from salt_multimaster import layout, watch
+import salt.runner
+
+from salt_multimaster import layout, trigger, watch
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +50,38 @@ def __virtual__():
     return __virtualname__
 
 
-def start(poll=watch.POLL):
+def _sync(opts):
+    """``categories -> bool``: ``multimaster.sync only=<categories>`` run here, every peer a replica."""
+    client = salt.runner.RunnerClient(opts)
+
+    def sync(categories):
+        ret = client.cmd("multimaster.sync", kwarg={"only": ",".join(categories)},
+                         print_event=False)
+        ok = isinstance(ret, dict) and bool(ret) and not ret.get("retcode") and all(
+            isinstance(report, dict) and report.get("result") is not False
+            for report in ret.values())
+        if not ok:
+            log.warning("multimaster_watch: sync of %s: %s", ", ".join(categories), ret)
+        return ok
+
+    return sync
+
+
+def start(poll=watch.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigger.MAX_WAIT):
     """
     Watch this master's roots and key dirs and serve the change journal
-    until the master stops.
+    until the master stops; on a primary, replicate what changes.
 
     poll
         Seconds between checks for a stop; events are read as they come.
+
+    replicate
+        On a primary (``multimaster:peers`` set): sync what changes to the
+        peers (default True).  False: the journal only.
+
+    quiet, max_wait
+        A sync starts once no change came for ``quiet`` seconds (default
+        1), at most ``max_wait`` seconds (default 10) after the first change.
 
     Configured in the master config, not called:
 
@@ -55,12 +89,19 @@ def start(poll=watch.POLL):
 
         engines:
           - multimaster_watch: {}
+          # or: - multimaster_watch: {replicate: false}
     """
     try:
         poll = watch.check_poll(poll)
     except ValueError as exc:
         log.error("%s: using %g", exc, watch.POLL)
         poll = watch.POLL
+    try:
+        quiet = trigger.check_seconds("quiet", quiet)
+        max_wait = trigger.check_seconds("max_wait", max_wait)
+    except ValueError as exc:
+        log.error("%s: using quiet %g, max_wait %g", exc, trigger.QUIET, trigger.MAX_WAIT)
+        quiet, max_wait = trigger.QUIET, trigger.MAX_WAIT
     trees = watch.master_trees(__opts__)
     watcher = watch.Watcher(trees)
     try:
@@ -69,8 +110,14 @@ def start(poll=watch.POLL):
         # serve anyway: every query is answered "cannot tell", at once
         log.error("multimaster_watch: cannot watch (%s): syncs read everything", exc)
     log.info("multimaster_watch: watching %s", ", ".join(trees))
+    tick = None
+    wanted = trigger.replicated(__opts__) if replicate is not False else []
+    if wanted:
+        log.info("multimaster_watch: replicating changes of %s to the peers", ", ".join(wanted))
+        tick = trigger.Trigger(watcher.changes, trigger.categories_of(__opts__, trees), wanted,
+                               _sync(__opts__), quiet, max_wait).tick
     try:
         watch.serve(watcher, watch.socket_path(layout.state_dir(__opts__)),
-                    stop=threading.Event(), poll=poll)
+                    stop=threading.Event(), poll=poll, tick=tick)
     finally:
         watcher.close()

@@ -739,7 +739,9 @@ class Bench:
         for master in (self.primary, *self.cluster.peers):
             # an engines list in master.d replaces the master file's (the
             # harness's event forwarder): both
-            engines = list(master.config.get("engines") or []) + [{"multimaster_watch": {}}]
+            # the journal only: the syncs measured are the bench's own
+            engines = list(master.config.get("engines") or []) + [
+                {"multimaster_watch": {"replicate": False}}]
             dropin = pathlib.Path(master.config_file).parent / "master.d" / WATCH_DROPIN
             dropin.parent.mkdir(exist_ok=True)
             dropin.write_text(salt.utils.yaml.safe_dump({"engines": engines}))

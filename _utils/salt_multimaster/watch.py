@@ -831,13 +831,15 @@ def _answer(watcher, conn):
         log.debug("multimaster: change journal client: reply not sent: %s", exc)
 
 
-def serve(watcher, sock_path, stop=None, poll=1.0):
+def serve(watcher, sock_path, stop=None, poll=1.0, tick=None):
     """
     Answer :func:`query` on the unix socket ``sock_path`` (its directory
     must exist; mode 0600) with ``watcher.changes(since)``, and drain the
     watcher whenever it has events, until ``stop`` (an object with
     ``is_set()``, such as a ``threading.Event``) is set; checked every
-    ``poll`` seconds.  One client at a time: one request line
+    ``poll`` seconds.  ``tick()`` (:meth:`trigger.Trigger.tick`), when
+    given, is called after each batch of events and when the seconds it
+    last returned have passed.  One client at a time: one request line
     (``{"since": <token or null>}``, at most :data:`MAX_REQUEST` bytes, sent
     within :data:`CLIENT_TIMEOUT` seconds), one reply line, closed.  A
     malformed request is answered ``{"error": ..., "changed": null}``; a
@@ -845,13 +847,21 @@ def serve(watcher, sock_path, stop=None, poll=1.0):
     file is removed, if it is still this server's.
     """
     sock, ident = _listen(sock_path)
+    due = None  # when tick() asked to be called again (monotonic)
+    if tick is not None:
+        tick()  # from now on: what changes is seen
     try:
         while stop is None or not stop.is_set():
             fd = watcher.fileno()
             readers = [sock] if fd is None else [sock, fd]
-            ready = select.select(readers, [], [], poll)[0]
+            wait = poll if due is None else max(0.0, min(poll, due - time.monotonic()))
+            ready = select.select(readers, [], [], wait)[0]
             if fd is not None and fd in ready:
                 watcher.drain()
+            if tick is not None and ((fd is not None and fd in ready)
+                                     or (due is not None and time.monotonic() >= due)):
+                later = tick()
+                due = None if later is None else time.monotonic() + later
             if sock in ready:
                 try:
                     conn = sock.accept()[0]

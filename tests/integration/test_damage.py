@@ -37,7 +37,8 @@ PUB = gen_keypair(1024)[1]
 def cluster(cluster_factory, mm_root):
     cluster = cluster_factory(
         "dmg", peers=1, minions=0,
-        master_overrides={"engines": [{"multimaster_watch": {}}]},
+        # the journal only: the syncs are the test's own
+        master_overrides={"engines": [{"multimaster_watch": {"replicate": False}}]},
         primary_overrides={"peer_run": {r"dmg\-peer1$": ["multimaster.pull"]}})
     pm, peer = cluster.peer_minions[0], cluster.peers[0]
     service = MasterService([peer], mm_root / "dmg-service")

@@ -18,7 +18,9 @@ from tests.support.cluster import gen_keypair, pull_cluster
 
 pytestmark = pytest.mark.daemons
 
-ENGINES = {"engines": [{"multimaster_watch": {"poll": 0.2}}]}
+# the journal only: the syncs are the tests' own (continuous replication:
+# test_continuous.py)
+ENGINES = {"engines": [{"multimaster_watch": {"poll": 0.2, "replicate": False}}]}
 # what the journal serves (the master keys are shared, the config would
 # make the peer restart)
 ONLY = "only=minion_keys,file_roots,pillar_roots"
