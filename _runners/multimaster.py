@@ -183,12 +183,16 @@ def _conf(kwargs):
     conf.setdefault("inline_limit", sync_core.INLINE_LIMIT)
     conf.setdefault("pull_min_files", sync_core.PULL_MIN_FILES)
     conf.setdefault("backup_keep", sync_core.BACKUP_KEEP)
+    conf.setdefault("verify_interval", sync_core.VERIFY_INTERVAL)
     conf["timeout"] = _timeout(conf["timeout"])
-    for key in ("inline_limit", "pull_min_files", "backup_keep"):
+    for key in ("inline_limit", "pull_min_files", "backup_keep", "verify_interval"):
         try:
             conf[key] = int(conf[key])
         except (TypeError, ValueError):
             raise SaltInvocationError(f"{key} must be an integer, not {conf[key]!r}") from None
+    if conf["verify_interval"] < 0:
+        raise SaltInvocationError("multimaster:verify_interval must be seconds >= 0 (0: never), "
+                                  f"not {conf['verify_interval']!r}")
     for key in ("peers", "replicate", "master_config_keys"):
         conf[key] = _as_list(conf.get(key), key)
     # only configured peers receive secrets; only shared policy options travel
@@ -447,10 +451,19 @@ def _sync(job, peers, only, test, force, minion_ids, **kwargs):
             ids = []
     if error:
         return _invalid(error)
+    # a full sync (every configured category) reads everything again once
+    # per verify_interval: what stat and the change journal cannot see
+    full = not test and not ids and set(only or conf["replicate"]) >= set(conf["replicate"])
+    if full and not conf["rescan"] and sync_core.verify_due(__opts__, conf["verify_interval"]):
+        log.info("multimaster: periodic full verify (verify_interval %s s): every file and "
+                 "key is read again", conf["verify_interval"])
+        conf["rescan"] = True
     ret = _run_rounds(job, conf, only or conf["replicate"], test, force, ids)
     if not all(r["result"] for r in ret.values()):
         __context__["retcode"] = 1
         ret["retcode"] = 1
+    elif full and conf["rescan"]:
+        sync_core.verified(__opts__)
     return ret
 
 

@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import time
 
 from salt_multimaster import (daemon, fsutil, grants, layout, manifest, outage, protocol,
@@ -43,6 +44,33 @@ MAX_TARGETED_IDS = 200
 # Past this many ids set by targeted syncs since a peer's last full sync,
 # its minion_keys are forgotten (a full sync remembers them afresh).
 MAX_HELD_IDS = 2000
+# A full sync reads every file and key again (rescan) when the last one
+# that did is older than this (multimaster:verify_interval, seconds; 0:
+# never): what stat and the change journal cannot see is caught within it.
+VERIFY_INTERVAL = 86400
+VERIFY_NAME = "last-verify"
+
+
+def verify_due(opts, interval, now=None):
+    """
+    Whether a full sync of the primary of ``opts`` is to read everything
+    again now: its last one (the mtime of :data:`VERIFY_NAME`, a regular
+    file) is ``interval`` seconds old or more, in the future, or unknown.
+    """
+    if not interval:
+        return False
+    now = time.time() if now is None else now
+    try:
+        st = os.lstat(os.path.join(layout.state_dir(opts), VERIFY_NAME))
+    except OSError:
+        return True
+    return not stat.S_ISREG(st.st_mode) or not 0 <= now - st.st_mtime < interval
+
+
+def verified(opts):
+    """Record that a full sync read everything again and every peer is a replica."""
+    statefile.write(os.path.join(layout.state_dir(opts), VERIFY_NAME),
+                    f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
 
 
 # ---------------------------------------------------------------------------

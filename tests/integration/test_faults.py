@@ -328,3 +328,37 @@ def test_rescan_finds_files_changed_behind_the_stat_cache(cluster):
     assert ret.returncode == 0, ret
     assert ret.data[pm.id]["file_roots"]["updated"] == ["base:same.sls"], ret.data[pm.id]
     assert theirs.read_text() == "value: 3333\n"
+
+
+def test_a_full_sync_reads_everything_again_once_per_verify_interval(cluster):
+    """
+    multimaster:verify_interval: a full sync (every category of
+    multimaster:replicate) after that many seconds since the last full
+    read finds what stat cannot see, without rescan=True.
+    """
+    pm = cluster.peer_minions[0]
+    dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
+    saved = dropin.read_text()
+    mine = cluster.file_root(cluster.primary) / "verified.sls"
+    theirs = cluster.file_root(cluster.peers[0]) / "verified.sls"
+    mine.write_text("value: 1111\n")
+    _in_step(cluster)
+    _in_step(cluster)  # the file recorded by both sides' stat caches
+    try:
+        dropin.write_text(json.dumps({"multimaster": {
+            "peers": [pm.id], "replicate": ["minion_keys", "file_roots", "pillar_roots"],
+            "verify_interval": 3600}}))
+        marker = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster" / "last-verify"
+        marker.unlink(missing_ok=True)
+        _in_step(cluster)  # due (never verified): read again, recorded
+        assert marker.is_file()
+        _rewrite_in_place(mine, b"value: 2222\n")
+        ret = _in_step(cluster)
+        assert ret.data[pm.id]["file_roots"]["updated"] == []  # within the interval: not seen
+        done = marker.stat().st_mtime
+        os.utime(marker, (done - 3600, done - 3600))  # the interval has passed
+        ret = _in_step(cluster)
+        assert ret.data[pm.id]["file_roots"]["updated"] == ["base:verified.sls"], ret.data[pm.id]
+        assert theirs.read_text() == "value: 2222\n"
+    finally:
+        dropin.write_text(saved)

@@ -180,3 +180,25 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
     sync.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
         before, ["web1"]), {"result": True, "minion_keys": replicate.empty_report()}, None)
     assert sync.remembered(opts2, "p", ["minion_keys"]) is None
+
+
+# ----- the periodic full verify (multimaster:verify_interval) -----------------
+def test_a_full_verify_is_due_once_per_interval(tmp_path):
+    opts = {"cachedir": str(tmp_path)}
+    assert sync.verify_due(opts, 3600) is True  # never verified
+    sync.verified(opts)
+    marker = tmp_path / "multimaster" / sync.VERIFY_NAME
+    assert oct(marker.stat().st_mode & 0o777) == "0o600"
+    assert sync.verify_due(opts, 3600) is False
+    assert sync.verify_due(opts, 3600, now=marker.stat().st_mtime + 3600) is True
+    assert sync.verify_due(opts, 3600, now=marker.stat().st_mtime - 60) is True  # clock went back
+    assert sync.verify_due(opts, 0) is False  # 0: never
+
+
+def test_a_damaged_verify_record_makes_the_verify_due_and_is_made_again(tmp_path):
+    opts = {"cachedir": str(tmp_path)}
+    marker = tmp_path / "multimaster" / sync.VERIFY_NAME
+    marker.mkdir(parents=True)
+    assert sync.verify_due(opts, 3600) is True
+    sync.verified(opts)
+    assert marker.is_file() and sync.verify_due(opts, 3600) is False
