@@ -23,17 +23,11 @@ import time
 
 import pytest
 
+import daemons  # bench/daemons.py
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 KEYS = int(os.environ.get("MM_BENCH_BURST", "300"))
 
-
-@pytest.fixture(scope="session")
-def salt_factories_config(mm_root, pip_site):
-    """As tests/conftest.py: short root dir, the extension pip-installed for the daemons."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(pip_site), os.environ.get("PYTHONPATH", "")) if p
-    )
-    return {"root_dir": str(mm_root / "f"), "start_timeout": 120}
 
 
 def _case(cluster, name, quiet):
@@ -111,10 +105,4 @@ def test_bench_burst(cluster_factory, capsys):
 
 
 if __name__ == "__main__":
-    os.chdir(REPO)
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
-    sys.exit(pytest.main([
-        str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
-        "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
-    ]))
+    sys.exit(daemons.main(__file__))

@@ -31,19 +31,13 @@ import time
 
 import pytest
 
+import daemons  # bench/daemons.py
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SAMPLES = int(os.environ.get("MM_BENCH_CONTINUOUS", "30"))
 BURST = 1000
 CRON_INTERVAL = 60.0
 
-
-@pytest.fixture(scope="session")
-def salt_factories_config(mm_root, pip_site):
-    """As tests/conftest.py: short root dir, the extension pip-installed for the daemons."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(pip_site), os.environ.get("PYTHONPATH", "")) if p
-    )
-    return {"root_dir": str(mm_root / "f"), "start_timeout": 120}
 
 
 def _served(fileserver, path, body):
@@ -55,15 +49,6 @@ def _served(fileserver, path, body):
         return pathlib.Path(found["path"]).read_bytes() == body
     except OSError:
         return False
-
-
-def _wait(predicate, deadline, step=0.01):
-    end = time.monotonic() + deadline
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(step)
-    return False
 
 
 def _syncs(cluster):
@@ -83,6 +68,7 @@ def test_bench_continuous(cluster_factory, capsys):
     import salt.utils.yaml  # pylint: disable=import-outside-toplevel
 
     from salt_multimaster import protocol  # pylint: disable=import-outside-toplevel
+    from tests.support.cluster import wait_until  # pylint: disable=import-outside-toplevel
 
     cluster = cluster_factory("bcn", peers=1, minions=0,
                               master_overrides={"engines": [{"multimaster_watch": {}}],
@@ -110,7 +96,8 @@ def test_bench_continuous(cluster_factory, capsys):
         body = f"sample {i} {time.time()}\n".encode()
         start = time.monotonic()
         (root / f"s{i}.txt").write_bytes(body)
-        if _wait(lambda i=i, body=body: _served(fileserver, f"bench/s{i}.txt", body), 120):
+        if wait_until(lambda i=i, body=body: _served(fileserver, f"bench/s{i}.txt", body), 120,
+                      step=0.01):
             delays.append(time.monotonic() - start)
         else:
             lost += 1
@@ -126,10 +113,14 @@ def test_bench_continuous(cluster_factory, capsys):
     start = time.monotonic()
     for i in range(BURST):
         (burst / f"b{i:04d}.txt").write_text(f"{i}\n")
-    served_all = _wait(lambda: all(_served(fileserver, f"bench/burst/b{i:04d}.txt",
-                                           f"{i}\n".encode()) for i in (0, BURST // 2, BURST - 1))
-                       and len(list((cluster.file_root(peer) / "bench" / "burst").glob("*")))
-                       == BURST, 300, step=0.1)
+    peer_burst = cluster.file_root(peer) / "bench" / "burst"
+
+    def all_there():
+        return (all(_served(fileserver, f"bench/burst/b{i:04d}.txt", f"{i}\n".encode())
+                    for i in (0, BURST // 2, BURST - 1))
+                and len(list(peer_burst.glob("*"))) == BURST)
+
+    served_all = wait_until(all_there, 300, step=0.1)
     burst_secs = time.monotonic() - start
     time.sleep(3)  # a sync started meanwhile shows in the log
     burst_syncs = _syncs(cluster) - before
@@ -164,10 +155,4 @@ def test_bench_continuous(cluster_factory, capsys):
 
 
 if __name__ == "__main__":
-    os.chdir(REPO)
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
-    sys.exit(pytest.main([
-        str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
-        "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
-    ]))
+    sys.exit(daemons.main(__file__))

@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+import daemons  # bench/daemons.py
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRIALS = int(os.environ.get("MM_BENCH_TRIALS", "20"))
 BATCH = int(os.environ.get("MM_BENCH_BATCH", "5"))
@@ -47,14 +49,6 @@ def _percentile(values, pct):
     lo, hi = int(k), min(int(k) + 1, len(values) - 1)
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
-
-@pytest.fixture(scope="session")
-def salt_factories_config(mm_root, pip_site):
-    """As tests/conftest.py: short root dir, the extension pip-installed for the daemons."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(pip_site), os.environ.get("PYTHONPATH", "")) if p
-    )
-    return {"root_dir": str(mm_root / "f"), "start_timeout": 120}
 
 
 @pytest.mark.daemons
@@ -216,10 +210,4 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
 
 
 if __name__ == "__main__":
-    os.chdir(REPO)
-    sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
-    sys.exit(pytest.main([
-        str(pathlib.Path(__file__).resolve()), "-q", "-p", "tests.conftest",
-        "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
-    ]))
+    sys.exit(daemons.main(__file__))

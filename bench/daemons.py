@@ -1,0 +1,24 @@
+"""
+Shared by the benchmarks that drive pytest and the repository's real-daemon
+fixtures (``tests/conftest.py``): ``main(__file__)`` runs one of them
+standalone.
+"""
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def main(script):
+    """Run the benchmark module ``script`` under pytest with the tests' fixtures; its exit code."""
+    os.chdir(REPO)
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "_utils"))  # the core, as tests/conftest.py does
+    return pytest.main([
+        str(pathlib.Path(script).resolve()), "-q", "-p", "tests.conftest",
+        "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
+    ])
