@@ -51,7 +51,7 @@ def __virtual__():
 
 
 def _sync(opts):
-    """``categories -> bool``: ``multimaster.sync only=<categories>`` run here, every peer a replica."""
+    """``categories -> bool``: ``multimaster.sync only=<categories>``; True: all replicas."""
     client = salt.runner.RunnerClient(opts)
 
     def sync(categories):

@@ -265,7 +265,7 @@ PROGRESS_EVERY = 5
 
 
 def _client():
-    """A LocalClient of this master (the caller destroys it), made as salt/runners/manage.py makes one."""
+    """A LocalClient of this master (the caller destroys it), as Salt's manage runner makes one."""
     return salt.client.get_local_client(mopts=__opts__)
 
 

@@ -42,7 +42,7 @@ def test_a_saved_file_is_served_by_the_peer_without_a_sync(cluster):
     (web / "init.sls").write_text("web:\n  test.succeed_without_changes\n")
     (cluster.file_root(primary, kind="pillar_roots") / "web.sls").write_text("port: 8080\n")
     peer_web = cluster.file_root(peer) / "web" / "init.sls"
-    assert wait_until(lambda: peer_web.is_file(), deadline=60), cluster.log_since(primary, 0)[-3000:]
+    assert wait_until(peer_web.is_file, deadline=60), cluster.log_since(primary, 0)[-3000:]
     assert wait_until(lambda: _served(cluster, "web/init.sls") ==
                       "web:\n  test.succeed_without_changes\n", deadline=30)
     peer_pillar = cluster.file_root(peer, kind="pillar_roots") / "web.sls"
