@@ -19,7 +19,7 @@ import shutil
 import stat
 import time
 
-from salt_multimaster import (daemon, fsutil, grants, layout, manifest, outage, protocol,
+from salt_multimaster import (daemon, grants, layout, manifest, outage, protocol,
                               replicate, seal, statefile, watch)
 
 log = logging.getLogger(__name__)
