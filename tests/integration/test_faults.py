@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from tests.support.cluster import gen_keypair, log_tail, wait_until
+from tests.support.cluster import PULL_PRIMARY, gen_keypair, log_tail, wait_until
 
 pytestmark = pytest.mark.daemons
 
@@ -30,7 +30,8 @@ def cluster(cluster_factory):
         "flt",
         peers=1,
         minions=0,
-        primary_overrides={"peer_run": {"flt-peer.*": ["multimaster.pull"]}},
+        # Salt's default request workers: the pulls hold them (PULL_PRIMARY)
+        primary_overrides=dict(PULL_PRIMARY, peer_run={"flt-peer.*": ["multimaster.pull"]}),
     )
     pm = cluster.peer_minions[0]
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"

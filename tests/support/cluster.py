@@ -698,6 +698,16 @@ def run(cmd, **kwargs):
 
 
 
+# A primary serving a large sync's pulls: each pull (peer_run) holds one of
+# its request workers while it runs, and a peer keeps up to three in flight
+# (salt_multimaster.peer.PULL_AHEAD + 1); with the 3 workers of the other
+# test masters a loaded machine left no worker for the peer minion's
+# returns, whose request then timed out (a find_job answer lost: the sync
+# reported the peer gone).  Salt's own default: 5.
+PULL_PRIMARY = {"peer_run": {".*": ["multimaster.pull"]},
+                "worker_threads": salt.config.DEFAULT_MASTER_OPTS["worker_threads"]}
+
+
 def _started_with_pull(cluster_factory, name, master_overrides=None):
     """
     A started cluster of one peer and no plain minion whose primary grants
@@ -707,7 +717,7 @@ def _started_with_pull(cluster_factory, name, master_overrides=None):
     """
     cluster = cluster_factory(
         name, peers=1, minions=0, master_overrides=master_overrides,
-        primary_overrides={"peer_run": {".*": ["multimaster.pull"]}},
+        primary_overrides=PULL_PRIMARY,
     )
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
     dropin.parent.mkdir(exist_ok=True)
