@@ -15,7 +15,6 @@ the events stopped for a second).  Prints both and their ratio, writes JSON
 to bench/results/; asserts nothing about timing.
 """
 
-import json
 import os
 import pathlib
 import sys
@@ -89,10 +88,7 @@ def test_bench_burst(cluster_factory, capsys):
     report = {"baseline_quiet_0": baseline, "default": coalesced,
               "time_ratio": round(coalesced["seconds"] / baseline["seconds"], 2),
               "sync_ratio": round(coalesced["syncs"] / max(baseline["syncs"], 1), 3)}
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_burst-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
-        json.dumps(report, indent=2))
+    daemons.save("bench_burst", report)
     with capsys.disabled():
         print(f"\nsalt-key -A -y of {KEYS} pending keys, reactor installed, until the peer "
               "holds them all:")

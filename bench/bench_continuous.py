@@ -22,7 +22,6 @@ Prints the figures and their ratios to the goals, writes JSON to
 bench/results/; asserts nothing about timing.
 """
 
-import json
 import os
 import pathlib
 import statistics
@@ -33,7 +32,6 @@ import pytest
 
 import daemons  # bench/daemons.py
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 SAMPLES = int(os.environ.get("MM_BENCH_CONTINUOUS", "30"))
 BURST = 1000
 CRON_INTERVAL = 60.0
@@ -133,10 +131,7 @@ def test_bench_continuous(cluster_factory, capsys):
               "cron_every_minute_s": cron,
               "burst": {"files": BURST, "seconds": round(burst_secs, 2), "syncs": burst_syncs,
                         "all_served": served_all}}
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_continuous-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
-        json.dumps(report, indent=2))
+    daemons.save("bench_continuous", report)
     with capsys.disabled():
         print(f"\ncontinuous replication, 1 peer, {SAMPLES} writes one at a time "
               f"({lost} not served within 120 s):")

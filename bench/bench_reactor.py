@@ -20,7 +20,6 @@ bench/results/ (goal: p50 <= 2 s, p99 <= 5 s).
 """
 
 import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -193,10 +192,7 @@ def test_bench_reactor(cluster_factory, capsys):  # pylint: disable=too-many-loc
         } if phases else {},
         "goal": {"p50": 2.0, "p99": 5.0},
     }
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"bench_reactor-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
-        json.dumps(report, indent=2))
+    daemons.save("bench_reactor", report)
     with capsys.disabled():
         print("\naccept on the primary (its salt/key event) -> first answer through the peer "
               f"({len(timings)}/{TRIALS} answered): p50 {report['p50']} s, "

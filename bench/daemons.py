@@ -4,9 +4,11 @@ fixtures (``tests/conftest.py``): ``main(__file__)`` runs one of them
 standalone.
 """
 
+import json
 import os
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -22,3 +24,11 @@ def main(script):
         str(pathlib.Path(script).resolve()), "-q", "-p", "tests.conftest",
         "--rootdir", str(REPO), "-c", str(REPO / "pytest.ini"), "-o", "testpaths=bench",
     ])
+
+
+def save(name, report):
+    """Write ``report`` as JSON to bench/results/<name>-<time>.json."""
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
+        json.dumps(report, indent=2))
