@@ -523,12 +523,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
         passes the ids of its events.  Past 200 ids, a full ``minion_keys``
         sync runs instead.
     rescan
-        List and stat every key dir on the primary and the peers, even those
-        unchanged since the last sync (which a sync otherwise takes from its
-        saved snapshot), and read and hash every file_roots/pillar_roots
-        file on both sides, ignoring the hash caches (like ``rsync -c``):
-        finds a key or a file rewritten in place with the same size, inode
-        and mtime.  It also drops the primary fileserver's own hash cache
+        Read and hash every minion key and every file_roots/pillar_roots
+        file on the primary and the peers, ignoring the change journal and
+        the state store's stats (like ``rsync -c``): finds what changed
+        behind them.  It also drops the primary fileserver's own hash cache
         (``cachedir/roots/hash``), which trusts mtimes the same way.  It
         reads every byte of the roots on every master, where a plain sync
         only stats them: use it after a suspected edit behind the cache,

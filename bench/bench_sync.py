@@ -977,37 +977,26 @@ print(json.dumps(out))
 
     def in_process_manifests(self):
         sys.path.insert(0, str(self.root / "site"))
-        from salt_multimaster import manifest  # pylint: disable=import-outside-toplevel
+        # pylint: disable=import-outside-toplevel
+        from salt_multimaster import keyscan, rootscan, store
 
         src = pathlib.Path(self.primary.config["cachedir"]) / "multimaster"
         state = self.root / "manifest-state"
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir()
-        for name in (manifest.KEYS_SNAPSHOT, manifest.ROOTS_HASHCACHE):
-            if (src / name).exists():
-                shutil.copyfile(src / name, state / name)
-        if (src / manifest.KEYS_SNAPSHOT_BUCKETS).is_dir():
-            shutil.copytree(src / manifest.KEYS_SNAPSHOT_BUCKETS,
-                            state / manifest.KEYS_SNAPSHOT_BUCKETS)
+        if (src / store.NAME).exists():
+            shutil.copyfile(src / store.NAME, state / store.NAME)
         for _ in range(self.args.repeat):
             t0 = time.perf_counter()
-            snap = manifest.KeysSnapshot(str(self.pki), str(state), rescan=True)
+            keyscan.KeysSnapshot(str(self.pki), str(state), rescan=True)
             t1 = time.perf_counter()
-            again = manifest.KeysSnapshot(str(self.pki), str(state))
+            keyscan.KeysSnapshot(str(self.pki), str(state))
             t2 = time.perf_counter()
-            cache = manifest.HashCache(str(state / manifest.ROOTS_HASHCACHE))
-            roots = manifest.roots_manifest(self.primary.config["file_roots"],
-                                            manifest.Ignore.from_opts(self.primary.config), cache)
+            rootscan.RootsScan(self.primary.config, "file_roots", str(state))
             t3 = time.perf_counter()
-            manifest.bucket_digests(manifest.split("file_roots", roots))
-            t4 = time.perf_counter()
-            self.record("in-process: keys listed, each statted (rescan=True)", t1 - t0,
-                        hashed=snap.hashed)
-            # the key dirs were just written: the snapshot is trusted 2 s later
-            self.record("in-process: keys snapshot reused" if again.reused
-                        else "in-process: keys snapshot (too recent, listed)", t2 - t1)
-            self.record("in-process: roots_manifest (stat, warm cache)", t3 - t2)
-            self.record("in-process: roots digests", t4 - t3)
+            self.record("in-process: keys scanned, each read (rescan=True)", t1 - t0)
+            self.record("in-process: keys scanned, each statted", t2 - t1)
+            self.record("in-process: file_roots scanned, each statted", t3 - t2)
 
     def tunings(self):
         self.floor("floor: salt-run test.arg (again, default config)")
@@ -1089,8 +1078,7 @@ print(json.dumps(out))
         wanted = {
             ("multimaster.py", "sync"), ("sync.py", "read_primary"),
             ("multimaster.py", "replies"), ("sync.py", "plan"), ("sync.py", "peer_errors"),
-            ("manifest.py", "_scan"), ("manifest.py", "roots_manifest"),
-            ("manifest.py", "save"), ("manifest.py", "__init__"),
+            ("keyscan.py", "_scan"), ("rootscan.py", "_scan"),
             ("client/__init__.py", "cmd"), ("client/__init__.py", "pub"),
             ("client/__init__.py", "run_job"), ("client/__init__.py", "get_cli_event_returns"),
             ("minions.py", "check_minions"), ("minions.py", "_check_glob_minions"),

@@ -14,7 +14,6 @@ import secrets
 import shutil
 import stat
 import tempfile
-import threading
 
 log = logging.getLogger(__name__)
 
@@ -103,43 +102,6 @@ def makedirs(path, mode=0o755):
     except OSError as exc:
         if exc.errno != errno.EEXIST or not os.path.isdir(path):
             raise
-
-
-class Later:
-    """
-    Cache writes put off until there is time for them: a sync reads the
-    primary's state, publishes, and saves what it read while the peers work.
-    :meth:`run` makes each write once, in order, from whichever thread
-    calls it first; a write that fails is logged, not raised (a cache that
-    is not saved is read again next time).
-    """
-
-    def __init__(self):
-        self._calls = []
-        self._lock = threading.Lock()
-
-    def add(self, fn, *args, **kwargs):
-        """Put off ``fn(*args, **kwargs)``."""
-        with self._lock:
-            self._calls.append((fn, args, kwargs))
-
-    def run(self):
-        """Make the writes put off so far."""
-        with self._lock:
-            calls, self._calls = self._calls, []
-            for fn, args, kwargs in calls:
-                try:
-                    fn(*args, **kwargs)
-                except (OSError, ValueError, TypeError) as exc:
-                    log.warning("multimaster: cache not saved (%s), read again next time", exc)
-
-
-def now_or_later(later, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` now, or put off to ``later`` (a :class:`Later`) when given."""
-    if later is None:
-        fn(*args, **kwargs)
-    else:
-        later.add(fn, *args, **kwargs)
 
 
 def atomic_write(path, data, mode=0o644, durable=True):

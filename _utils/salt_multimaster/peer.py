@@ -22,17 +22,11 @@ import time
 
 import salt.utils.yaml
 
-from salt_multimaster import (backup, compat, confirmed, daemon, finger, fsutil, layout, lock,
-                              manifest, protocol, replicate, revocation, seal, statefile, validate,
-                              watch)
+from salt_multimaster import (backup, compat, confirmed, daemon, finger, fsutil, keyscan, layout,
+                              lock, manifest, protocol, replicate, revocation, rootscan, seal,
+                              statefile, store, validate, watch)
 
 log = logging.getLogger(__name__)
-
-#: an apply records the hashes of the files it wrote in the hash caches
-#: (megabytes of JSON at tens of thousands of files, read and rewritten)
-#: only from this many files or bytes on; fewer are read again next time
-RECORD_HASHES_MIN_FILES = manifest.DIRECT_FILES
-RECORD_HASHES_MIN_BYTES = manifest.DIRECT_BYTES
 
 #: the key history (:class:`KeyHistory`): the names of its bucket files, and those files
 HISTORY_NAME = "minion_keys_history.json"
@@ -241,13 +235,12 @@ def record_history(mopts, state_dir, primary_digest):
     """
     The explicit history step of an apply: every id of a bucket where this
     peer's keys equal the primary's (``primary_digest``: the primary's
-    bucket digests) came from the primary.  Stamped in the key snapshot, so
+    bucket digests) came from the primary.  Stamped in the key scan, so
     the inventory tells the primary whether it is recorded
     (``history_recorded``).  A bucket recorded at its digest before, and
     untouched by an apply since, is not read again.
     """
-    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir,
-                                 watch=_journal(mopts))
+    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, watch=_journal(mopts))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
     todo = [b for b in same if b not in recorded]
@@ -280,10 +273,7 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    buckets = {}
-    _roots, roots_errors = manifest.read_roots(
-        mopts, categories, state_dir, rescan=rescan,
-        watch=_journal(mopts), buckets=buckets, manifests=False)
+    journal = _journal(mopts)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -297,12 +287,12 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
             # what the peer last confirmed of each option (sha256 only)
             ret["config_record"] = confirmed.config_record(state_dir)
         elif cat == "minion_keys":
-            ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan)
-        else:
-            read = buckets[cat]
+            ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan, journal)
+        elif cat in rootscan.ROOTS:
+            read = rootscan.RootsScan(mopts, cat, state_dir, rescan=rescan, watch=journal)
             diff = manifest.differing(digests.get(cat) or {}, read.raw)
-            ret[cat] = {"digest": read.raw, "errors": roots_errors[cat], "buckets": diff,
-                        "manifest": manifest.merge(read.parts, diff),
+            ret[cat] = {"digest": read.raw, "errors": [str(e) for e in read.errors],
+                        "buckets": diff, "manifest": manifest.merge(read.parts, diff),
                         "envs": sorted(mopts.get(cat) or {}),
                         "record": confirmed.since(state_dir, cat, read.raw, diff,
                                                   functools.partial(_part, read.parts))}
@@ -317,14 +307,13 @@ def _part(parts, bucket):
         return {}
 
 
-def keys_inventory(mopts, state_dir, digests, rescan=False):
+def keys_inventory(mopts, state_dir, digests, rescan=False, journal=None):
     """
     The ``minion_keys`` part of :func:`inventory`: digests, the differing
     buckets, and the ids of those buckets received from the primary before.
-    While no key dir changed, no key is looked at.
     """
-    snap = manifest.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
-                                 watch=_journal(mopts))
+    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
+                                watch=journal or _journal(mopts))
     diff = manifest.differing(digests, snap.digest)
     wanted = set(diff)
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
@@ -350,7 +339,7 @@ def targeted_inventory(mopts, state_dir, ids):
     them this peer received from the primary.
     """
     errors = []
-    here = manifest.keys_state(mopts["pki_dir"], list(ids), errors=errors)
+    here = keyscan.keys_state(mopts["pki_dir"], list(ids), errors=errors)
     history = set(_history_of(state_dir, {manifest.bucket_of(mid) for mid in ids}))
     return {"master_id": mopts["id"], "errors": [],
             "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
@@ -430,8 +419,8 @@ class Applier:
     def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
         """
         Stage ``data`` for ``path``; ``cache_path``: the name the manifests
-        give the file in the hash cache, so the next inventory stats it
-        instead of hashing it again.
+        give the file, so the next inventory stats it instead of hashing it
+        again.
         """
         hasher = hasher or (lambda d: hashlib.sha256(d).hexdigest())
         if sha is not None and hasher(data) != sha:
@@ -440,42 +429,27 @@ class Applier:
         self.makedirs(os.path.dirname(path))
         self.batch.write(path, data, mode=mode)
         if cache_path and sha is not None:
-            name = (manifest.KEYS_HASHCACHE if rel.startswith("minion_keys/")
-                    else manifest.ROOTS_HASHCACHE)
-            self.written.append((name, path, cache_path, sha))
+            self.written.append((path, cache_path, sha))
 
     def commit(self):
         """
         Make every staged write durable, then record the written files'
-        hashes (the next read then does not read them again), unless they
-        are so few and small that reading them again costs less than
-        rewriting the hash cache (:data:`RECORD_HASHES_MIN_BYTES`).
+        hashes in the state store (the next read then does not read them
+        again).
         """
         try:
             self.batch.commit()
         except OSError as exc:
             raise PeerError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
         written, self.written = self.written, []
-        sizes = []
-        for _name, path, _cache_path, _sha in written[:RECORD_HASHES_MIN_FILES]:
+        stats = []
+        for path, cache_path, sha in written:
             try:
-                sizes.append(os.stat(path).st_size)
+                stats.append((cache_path, os.stat(path), sha))
             except OSError:
                 pass
-        if len(written) < RECORD_HASHES_MIN_FILES and sum(sizes) < RECORD_HASHES_MIN_BYTES:
-            return
-        caches = {}
-        for name, path, cache_path, sha in written:
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if name not in caches:
-                caches[name] = manifest.open_hashcache(self.state_dir, name)
-            caches[name].entries[cache_path] = [st.st_ino, st.st_size, st.st_mtime_ns, sha]
-            caches[name].dirty = True
-        for cache in caches.values():
-            cache.save()
+        if stats:
+            store.record_hashes(self.state_dir, stats)
 
     def remove(self, path, rel):
         self.backup(path, rel)
@@ -880,18 +854,19 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
                                  set((ret.get(cat) or {}).get("failed") or ()))
         now = None
         if cat == "minion_keys":
-            held = manifest.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
+            held = keyscan.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
 
             def part(bucket):
-                parts = manifest.saved_key_parts(state_dir, [bucket])
+                parts = keyscan.saved_parts(state_dir, [bucket])
                 return None if parts is None else parts.get(bucket, {})
 
             def now(ids):
-                return manifest.keys_state(mopts["pki_dir"], sorted(ids))
+                return keyscan.keys_state(mopts["pki_dir"], sorted(ids))
         else:
-            roots = manifest.RootsParts(state_dir, cat)
-            held = roots.data["digest"] if roots.digest is not None else None
-            part = roots.saved_part
+            held = rootscan.saved_digests(state_dir, cat, safe=False)
+
+            def part(bucket, cat=cat):
+                return rootscan.saved_part(state_dir, cat, bucket)
         confirmed.record_apply(state_dir, cat, done, digests[cat], held, part, now)
     shas = _digests(confirm.get("master_config"))
     if shas is not None:

@@ -18,7 +18,7 @@ unit tests run the real peer over temp dirs.
 import concurrent.futures
 import logging
 
-from salt_multimaster import compat, epoch, fsutil, outage, protocol, statefile
+from salt_multimaster import compat, epoch, outage, protocol, statefile
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,16 @@ class Rounds:
         self.salt = salt
         self.test = test
         self.force = force
-        # the primary's caches, saved once the first publish is out (the
-        # peers work meanwhile)
-        self.later = fsutil.Later()
         # this primary's epoch, in every request: a peer promoted away from
         # it refuses it
         self.claim = epoch.claim(opts, conf.get("configured_peers") or conf["peers"],
                                  conf.get("topology"))
 
     # ----- asking the peers ------------------------------------------------
-    def read_primary(self, categories, saved=None):
+    def read_primary(self, categories):
         conf = self.conf
         return core.read_primary(self.opts, categories, conf["topology"],
-                                 conf["master_config_keys"], conf["rescan"], saved, self.later)
+                                 conf["master_config_keys"], conf["rescan"])
 
     def ask(self, peers, categories, digests=None, ids=None):
         """
@@ -83,9 +80,7 @@ class Rounds:
                 "multimaster_peer.inventory", categories=categories, digests=digests,
                 topology=conf["topology"], config_keys=conf["master_config_keys"],
                 test=self.test, rescan=conf["rescan"] or None, epoch=self.claim)
-        job = self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
-        self.later.run()
-        return job
+        return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
 
     def _inventory_wait(self, peers):
         """The ``on_wait`` of an inventory job: one progress line now and then."""
@@ -106,16 +101,15 @@ class Rounds:
         that cannot be planned so (no previous state) is asked again with
         the current digests.
         """
-        digests, saved = core.saved_state(self.opts, categories)
+        digests = core.saved_digests(self.opts, categories)
         if set(digests) != set(categories) & set(core.BUCKETED):
             # nothing saved yet (first sync): a peer in step would detail everything
-            primary = self.read_primary(categories, saved)
+            primary = self.read_primary(categories)
             return primary, self.ask(peers, categories,
                                      core.current_digests(primary, categories))
         job = self._publish_inventory(peers, categories, digests)
         try:
-            primary = self.read_primary(categories, saved)
-            self.later.run()
+            primary = self.read_primary(categories)
         finally:
             invs = job.replies(self._inventory_wait(peers))
         again = [peer for peer in peers
@@ -159,9 +153,8 @@ class Rounds:
                                    f"{seconds:.0f} s", peer=peer, phase="apply", total=total)
 
         try:
-            job = self.salt.publish([peer], "multimaster_peer.apply", kwarg, wait)
-            self.later.run()
-            got = job.wait(still).get(peer)
+            got = self.salt.publish([peer], "multimaster_peer.apply", kwarg, wait).wait(
+                still).get(peer)
         finally:
             if token:
                 core.revoke(opts, token, self.salt.jid_dir)
@@ -289,12 +282,6 @@ class Rounds:
         ``{peer: report}``, each peer in parallel.  ``ids``: a targeted key
         sync of these minion ids.
         """
-        try:
-            return self._run(peers, categories, ids)
-        finally:
-            self.later.run()  # what no publish came to run (a sync of no peer)
-
-    def _run(self, peers, categories, ids):
         opts, test = self.opts, self.test
         self.salt.progress(f"multimaster: reading the primary's state for "
                            f"{', '.join(categories)}")
@@ -349,7 +336,6 @@ class Rounds:
                                                  contexts, peers)):
                 ret[peer] = core.damaged_verdict(res, primary)
                 self.salt.progress(f"multimaster: {peer}: {'ok' if res['result'] else 'FAILED'}")
-        self.later.run()
         rebuilt = statefile.noticed()
         for res in ret.values():
             if rebuilt:

@@ -19,8 +19,8 @@ import shutil
 import stat
 import time
 
-from salt_multimaster import (daemon, grants, layout, manifest, outage, protocol,
-                              replicate, seal, statefile, watch)
+from salt_multimaster import (daemon, grants, keyscan, layout, manifest, outage, protocol,
+                              replicate, rootscan, seal, statefile, watch)
 
 log = logging.getLogger(__name__)
 
@@ -76,65 +76,50 @@ def verified(opts):
 # ---------------------------------------------------------------------------
 # The primary's state
 # ---------------------------------------------------------------------------
-def saved_state(opts, categories):
+def saved_digests(opts, categories):
     """
-    The keys snapshot's digests and the saved roots manifests, as the last
-    sync read them: ``({category: digests}, {category: RootsParts})``.
-    No key or file is looked at.
+    ``{category: digests}`` of the bucketed ``categories`` as the last sync
+    read them on the primary (a peer in step holds these); no key or file
+    is looked at.
     """
     state_dir = layout.state_dir(opts)
-    digests, saved = {}, {}
+    digests = {}
     for cat in categories:
         if cat == "minion_keys":
-            digest = manifest.KeysSnapshot.saved_digest(opts["pki_dir"], state_dir)
-        elif cat in ("file_roots", "pillar_roots"):
-            saved[cat] = manifest.RootsParts(state_dir, cat)
-            digest = saved[cat].digest
+            digest = keyscan.KeysSnapshot.saved_digest(opts["pki_dir"], state_dir)
+        elif cat in rootscan.ROOTS:
+            digest = rootscan.saved_digests(state_dir, cat)
         else:
             continue
         if digest is not None:
             digests[cat] = digest
-    return digests, saved
+    return digests
 
 
-def read_primary(opts, categories, topology, config_keys, rescan=False, saved=None,
-                 later=None):
-    """
-    The primary's manifests, and the contents they describe, on demand.
-    ``saved``: the roots manifests of the last read (:func:`saved_state`),
-    kept as each category's ``previous`` and replaced by this read.
-    ``later``: a :class:`fsutil.Later` the saves of what was read (caches
-    and the saved manifests) are put off to, for the caller to run once it
-    has published.
-    """
+def read_primary(opts, categories, topology, config_keys, rescan=False):
+    """The primary's manifests, and the contents they describe, on demand."""
     cache_dir = layout.state_dir(opts)
-    buckets = dict(saved or {})
     errors, state = [], {}
     journal = watch.client(cache_dir)
-    roots, roots_errors = manifest.read_roots(opts, categories, cache_dir, rescan=rescan,
-                                              later=later, watch=journal, buckets=buckets,
-                                              manifests=False)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
         manifest.forget_fileserver_hashes(opts["cachedir"])
     for cat in categories:
         if cat == "minion_keys":
-            # no per-key work while no key dir changed
-            snap = manifest.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan, later=later,
-                                         watch=journal)
+            snap = keyscan.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan,
+                                        watch=journal)
             errors.extend(snap.errors)
-            state[cat] = {"snapshot": snap, "digest": snap.digest, "counts": snap.counts,
+            state[cat] = {"parts": snap.parts, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
-        elif cat in roots:
-            errors.extend(roots_errors[cat])
-            read = buckets[cat]
+        elif cat in rootscan.ROOTS:
+            scan = rootscan.RootsScan(opts, cat, cache_dir, rescan=rescan, watch=journal)
+            errors.extend(scan.errors)
             # the digests describe a peer in step: modes less the bits a
             # sync never writes (the plan warns of those)
-            state[cat] = {"parts": read.parts, "digest": read.safe,
-                          "envs": sorted(opts.get(cat) or {}),
-                          "previous": read.previous(),
-                          "damaged": manifest.damaged_sources(roots_errors[cat])}
+            state[cat] = {"parts": scan.parts, "digest": scan.safe,
+                          "envs": sorted(opts.get(cat) or {}), "previous": scan.previous(),
+                          "damaged": scan.damaged}
         elif cat == "master_keys":
             pem, pub = layout.master_key_files(opts, topology)
             state[cat] = {"files": {"pem": pem, "pub": pub},
@@ -154,7 +139,7 @@ def read_primary_keys(opts, ids):
     few stat calls per id, no listing of every key).
     """
     errors = []
-    keys = manifest.keys_state(opts["pki_dir"], ids, errors=errors)
+    keys = keyscan.keys_state(opts["pki_dir"], ids, errors=errors)
     damaged = manifest.damaged_sources(errors)
     state = {"minion_keys": {"ids": sorted(ids), "manifest": keys, "damaged": damaged},
              "errors": [str(e) for e in errors]}
@@ -219,10 +204,6 @@ def unplannable(categories, primary, inv, sent):
     return False
 
 
-def _parts(entry):
-    return entry["snapshot"].parts if "snapshot" in entry else entry["parts"]
-
-
 def peer_buckets(cat, primary, theirs):
     """
     The buckets where the peer differs from the primary now, with the peer's
@@ -267,7 +248,7 @@ def plan(topology, categories, primary, inv, force, found_all=None):
         elif cat in BUCKETED:
             # only the buckets where the peer differs are compared
             need, peer_man, history = peer_buckets(cat, primary, theirs)
-            mine = manifest.merge(_parts(entry), need) if need else {}
+            mine = manifest.merge(entry["parts"], need) if need else {}
             # what the peer changed since it last confirmed: left in place
             mine, peer_man, found = outage.classify(cat, mine, peer_man, theirs.get("record"),
                                                     keep)
@@ -799,17 +780,16 @@ def expected_inventory(held):
 # The peer's remembered ``minion_keys`` are its bucket digests (``digest``),
 # and ``ids``: what targeted syncs since its last full sync found or left
 # there, ``{id: {"keys": {state: sha256}, "received": bool}}`` (received:
-# in its key history).  A bucket of the primary's saved key snapshot with
+# in its key history).  A bucket of the primary's last key scan with
 # those ids in place is what the peer holds there when its digest is the
-# remembered one: exact, whichever snapshot it is.  Any other id it holds
+# remembered one: exact, whichever scan it is.  Any other id it holds
 # there it received from the primary (a full sync records them).
 def snapshot_keys(opts, ids):
     """
     ``{bucket: {state: {id: sha256}}}`` of the buckets of ``ids`` in the
-    primary's saved key snapshot (read, no key dir listed); None without one.
+    primary's last key scan (read, no key dir listed); None without one.
     """
-    return manifest.saved_key_parts(layout.state_dir(opts),
-                                    {manifest.bucket_of(mid) for mid in ids})
+    return keyscan.saved_parts(layout.state_dir(opts), {manifest.bucket_of(mid) for mid in ids})
 
 
 def _overlay(part, ids):
@@ -927,7 +907,7 @@ def remember_targeted(opts, peer, held, primary, ret, inv):
             digest[bucket] = _bucket_digest(part)
         else:
             digest.pop(bucket, None)
-        # as the snapshot says (and received, if held): no need to remember
+        # as the last scan says (and received, if held): no need to remember
         for mid, now in mine.items():
             if _keys_of(base, mid) == now["keys"] and (now["received"] or not now["keys"]):
                 del known[mid]

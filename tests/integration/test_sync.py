@@ -448,7 +448,8 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     (base / "doomed.sls").unlink()
     state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
     shutil.rmtree(state / "roots-file_roots.d")
-    shutil.rmtree(state / "keys-snapshot.d")
+    for name in ("state.sqlite", "state.sqlite-wal", "state.sqlite-shm"):  # the last key scan
+        (state / name).unlink(missing_ok=True)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
     assert ret.returncode == 0, ret
     for peer, pm in zip(cluster.peers, cluster.peer_minions):
@@ -462,32 +463,29 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
 @pytest.mark.usefixtures("synced")
 def test_rescan_finds_a_key_rewritten_in_place(cluster):
     """
-    A key dir unchanged since the last sync is taken from the saved snapshot
-    (Salt changes keys by renames and unlinks, which change the dir); a key
-    rewritten in place is found by ``rescan=True``.
+    A key rewritten in place (same inode, same directory entry, the dir's
+    mtime unchanged) is found by the next sync: each key is statted, and
+    its mtime and ctime moved; ``rescan=True`` reads every key again.
     """
     pki = cluster.pki_dir(cluster.primary)
     key = pki / "minions" / "inplace"
     key.write_bytes(gen_keypair(2048)[1])
-    for state_dir in pki.iterdir():
-        if state_dir.is_dir():  # last changed long ago: the snapshot is trusted
-            st = state_dir.stat()
-            os.utime(state_dir, ns=(st.st_atime_ns, st.st_mtime_ns - 10 * 10**9))
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
     assert ret.returncode == 0, ret
     assert all(ret.data[pm.id]["minion_keys"]["added"] == ["minions/inplace"]
                for pm in cluster.peer_minions), ret.data
+    dir_stat = (pki / "minions").stat()
     with open(key, "r+b") as fh:  # same inode, same directory entry
         fh.truncate(0)
         fh.write(gen_keypair(2048)[1])
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
-    assert ret.returncode == 0, ret
-    assert all(ret.data[pm.id]["minion_keys"]["conflicts"] == [] for pm in cluster.peer_minions)
+    os.utime(pki / "minions", ns=(dir_stat.st_atime_ns, dir_stat.st_mtime_ns))
     # found: another key for an id the peer holds is a conflict, as always
-    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys", "rescan=True")
-    for pm in cluster.peer_minions:
-        conflicts = ret.data[pm.id]["minion_keys"]["conflicts"]
-        assert [c.split(":")[0] for c in conflicts] == ["minions/inplace"], ret.data[pm.id]
+    for extra in ((), ("rescan=True",)):
+        ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys", *extra)
+        assert ret.returncode != 0, ret
+        for pm in cluster.peer_minions:
+            conflicts = ret.data[pm.id]["minion_keys"]["conflicts"]
+            assert [c.split(":")[0] for c in conflicts] == ["minions/inplace"], ret.data[pm.id]
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys",
                            "rescan=True", "force=True")
     assert ret.returncode == 0, ret

@@ -3,12 +3,13 @@ A peer writes only inside its roots, and never a setuid, setgid, sticky or
 world-writable file: the core functions, and the peer's apply of a tree.
 """
 
+import hashlib
 import os
 import stat
 
 import pytest
 
-from salt_multimaster import fsutil, manifest, peer, replicate
+from salt_multimaster import fsutil, manifest, peer, replicate, rootscan
 
 A, B = "a" * 64, "b" * 64
 
@@ -101,9 +102,16 @@ def test_primary_digests_of_safe_modes_match_a_peer_in_step(tmp_path):
     primary["base"]["suid.sh"] = [1, 0o4755, A]
     peer = {"base": dict(primary["base"], **{"suid.sh": [1, 0o755, A]})}
     # the primary's read: its digests as a peer in step holds them
-    read = manifest.RootsParts(str(tmp_path), "file_roots")
-    read.update({"base": [str(tmp_path)]}, primary, None, None)
-    theirs = manifest.bucket_digests(manifest.split("file_roots", peer))
+    root = tmp_path / "root"
+    root.mkdir()
+    for rel, (_size, mode, _sha) in primary["base"].items():
+        (root / rel).write_bytes(b"x")
+        (root / rel).chmod(mode)
+    read = rootscan.RootsScan({"file_roots": {"base": [str(root)]}}, "file_roots",
+                              str(tmp_path / "state"))
+    sha = hashlib.sha256(b"x").hexdigest()
+    peer_files = {rel: [1, mode, sha] for rel, (_s, mode, _h) in peer["base"].items()}
+    theirs = manifest.bucket_digests(manifest.split("file_roots", {"base": peer_files}))
     assert manifest.differing(read.safe, theirs) == []
     assert manifest.differing(read.raw, theirs) == [manifest.bucket_of("base/suid.sh")]
     assert replicate.safe_tree(peer) is peer  # nothing to change: the same object

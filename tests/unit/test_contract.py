@@ -12,7 +12,7 @@ import socket
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import manifest, peer, protocol, restart, seal, sync, validate
+from salt_multimaster import keyscan, manifest, peer, protocol, restart, seal, sync, validate
 from tests.support.cluster import gen_keypair
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
@@ -151,7 +151,7 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
 
     # the primary changes: accepted, deleted, edited; the peer is asked with
     # the digests of the primary's previous read, as the runner asks it
-    sent, _ = sync.saved_state(primary_opts, CATS)
+    sent = sync.saved_digests(primary_opts, CATS)
     os.rename(pki / "minions_pre" / "new1", pki / "minions" / "new1")
     (pki / "minions" / "web2").unlink()
     (srv / "web" / "init.sls").write_text("nginx: pkg.latest\n")
@@ -297,7 +297,7 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
 
 def _peer_digest(mopts, tmp_path):
     """The peer's key digests as its inventory computes them."""
-    return manifest.KeysSnapshot(mopts["pki_dir"], str(tmp_path / "fresh-snapshot")).digest
+    return keyscan.KeysSnapshot(mopts["pki_dir"], str(tmp_path / "fresh-snapshot")).digest
 
 
 def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to_hold(pair):
@@ -315,8 +315,8 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     web2 = _same_bucket("web1", "web")
     (pki / "minions" / web2).write_bytes(gen_keypair(1024)[1])
     held = _held(primary_opts, "m2", ["web1", web2])
-    assert held["keys"] == {"web1": {"minions": primary["minion_keys"]["snapshot"].manifest[
-        "minions"]["web1"]}, web2: {}}
+    web1 = manifest.merge(primary["minion_keys"]["parts"], [manifest.bucket_of("web1")])
+    assert held["keys"] == {"web1": {"minions": web1["minions"]["web1"]}, web2: {}}
     assert held["received"] == ["web1"]
     _, report, got = _targeted(primary_opts, mopts, state, ["web1", web2], held)
     assert report["minion_keys"]["added"] == [f"minions/{web2}"]

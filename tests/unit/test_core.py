@@ -7,9 +7,8 @@ import stat
 
 import pytest
 
-from salt_multimaster import fsutil, manifest, protocol, replicate, seal
+from salt_multimaster import fsutil, keyscan, manifest, protocol, replicate, rootscan, seal
 from tests.support.cluster import gen_keypair
-from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 
@@ -79,323 +78,6 @@ def test_assign_chunks_keys_first_then_balanced_files():
     assert replicate.assign_chunks([]) == []
 
 
-def test_tree_manifest_ignores_and_confines_symlinks(tmp_path):
-    root = tmp_path / "root"
-    (root / ".git").mkdir(parents=True)
-    (root / ".git" / "config").write_text("x")
-    (root / "a.sls").write_text("a")
-    (root / "a.sls.swp").write_text("s")
-    (root / "link.sls").symlink_to("a.sls")
-    (tmp_path / "outside").write_text("secret")
-    (root / "escape").symlink_to(tmp_path / "outside")
-    cache = manifest.HashCache(str(tmp_path / "cache.json"))
-    errors = []
-    man = manifest.tree_manifest([str(root)], manifest.Ignore([r"/\.git($|/)"], ["*.swp"]), cache, errors=errors)
-    assert sorted(man) == ["a.sls", "link.sls"]
-    assert man["a.sls"][2] == man["link.sls"][2]
-    assert any("escape" in e for e in errors)
-    assert cache.hashed == 1  # the symlink shares its target's hash entry
-    cache.save()
-    again = manifest.HashCache(str(tmp_path / "cache.json"))
-    assert manifest.tree_manifest([str(root)], manifest.Ignore([r"/\.git($|/)"], ["*.swp"]), again) == man
-    assert again.hashed == 0  # unchanged files are statted, never re-hashed
-
-
-def test_tree_manifest_follows_inner_dir_symlinks_once_and_globs_in_subdirs(tmp_path):
-    root = tmp_path / "root"
-    (root / "sub" / "deep").mkdir(parents=True)
-    (root / "sub" / "deep" / "x.sls").write_text("x")
-    (root / "sub" / "deep" / "x.sls.swp").write_text("s")
-    (root / "sub" / "loop").symlink_to("..")  # a loop inside the root
-    (root / "alias").symlink_to("sub/deep")  # served twice, as Salt does
-    (tmp_path / "away").mkdir()
-    (root / "out").symlink_to(tmp_path / "away")
-    errors = []
-    man = manifest.tree_manifest([str(root)], manifest.Ignore(None, ["*.swp"]),
-                                 manifest.HashCache(), errors=errors)
-    assert sorted(man) == ["alias/x.sls", "sub/deep/x.sls"]
-    assert [e.split(": ", 1)[1] for e in errors] == [
-        "out: symlinked directory leads outside the root, not replicated"]
-
-
-def test_keys_manifest_skips_bad_ids_and_non_pem(tmp_path):
-    pki = tmp_path / "pki"
-    (pki / "minions").mkdir(parents=True)
-    pub = gen_keypair(1024)[1]
-    (pki / "minions" / "good").write_bytes(pub)
-    (pki / "minions" / "junk").write_text("not a key")
-    man, errors = _listed(pki, tmp_path)
-    assert list(man["minions"]) == ["good"]
-    assert man["minions"]["good"] == manifest.key_sha(pub + b"\n\n")
-    assert any("junk" in e and "PEM" in e for e in errors)
-
-
-def _listed(pki, tmp_path):
-    """Every key of ``pki`` listed afresh: ``(manifest, errors)``."""
-    snap = manifest.KeysSnapshot(str(pki), str(tmp_path / "fresh"), rescan=True)
-    return snap.manifest, snap.errors
-
-
-def _age(pki, seconds=10):
-    """Make the key dirs look last changed ``seconds`` ago."""
-    for d in pki.iterdir():
-        st = d.stat()
-        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns - seconds * 10**9))
-
-
-def test_keys_snapshot_reused_while_no_key_dir_changed(tmp_path):
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    for d in ("minions", "minions_pre"):
-        (pki / d).mkdir(parents=True)
-    state.mkdir()
-    pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
-    (pki / "minions" / "web1").write_bytes(pub)
-    _age(pki)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    assert not first.reused and first.hashed == 1
-    listed, errors = _listed(pki, tmp_path)
-    assert first.manifest == listed and first.errors == errors
-    assert first.digest == digest_of_keys(listed)
-    assert first.counts == {s: len(listed[s]) for s in manifest.KEY_DIRS}
-    # nothing changed: nothing is listed, the manifest is read back only on demand
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert again.reused and again.hashed == 0
-    assert (again.digest, again.counts, again.errors) == (first.digest, first.counts, errors)
-    assert again.buckets_read == 0 and again.manifest == listed
-    # Salt accepting a key: a rename into minions/ changes the dir
-    (pki / "minions_pre" / "web2").write_bytes(other)
-    os.rename(pki / "minions_pre" / "web2", pki / "minions" / "web2")
-    moved = manifest.KeysSnapshot(str(pki), str(state))
-    assert not moved.reused and sorted(moved.manifest["minions"]) == ["web1", "web2"]
-    assert moved.hashed == 1  # web2; web1 only statted
-    assert moved.errors == errors
-    assert moved.digest != first.digest
-    # listed a moment after that change, once the filesystem's clock had
-    # passed it: trusted next time
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-    _age(pki)
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused  # the dirs' stamps moved
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-    rescanned = manifest.KeysSnapshot(str(pki), str(state), rescan=True)
-    assert not rescanned.reused and rescanned.hashed == 0  # every key statted, none read
-
-
-def test_a_denied_key_rewritten_in_place_is_seen_at_the_next_snapshot(tmp_path):
-    """
-    Salt 3006 and 3007 write a denied key over ``minions_denied/<id>`` in
-    place (``fopen(pubfn_denied, "w+")``) when the same id comes back with
-    yet another key: the dir's mtime stays.  That dir's keys are statted at
-    every snapshot; the others are still taken from it.
-    """
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    for d in ("minions", "minions_denied"):
-        (pki / d).mkdir(parents=True)
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    denied = pki / "minions_denied" / "web1"
-    denied.write_bytes(gen_keypair(1024)[1])
-    _age(pki)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-    dir_stamp = (pki / "minions_denied").stat().st_mtime_ns
-    with open(denied, "r+b") as fh:  # as Salt's "w+": same inode, same dir
-        fh.truncate(0)
-        fh.write(gen_keypair(1024)[1])
-    assert (pki / "minions_denied").stat().st_mtime_ns == dir_stamp
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert not again.reused and again.hashed == 1  # only the denied key read again
-    assert again.manifest == _listed(pki, tmp_path)[0]
-    assert again.digest != first.digest
-    assert again.manifest["minions"] == first.manifest["minions"]
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-
-
-def test_a_key_dir_holding_a_damaged_key_is_listed_every_time(tmp_path):
-    """
-    A key that cannot be used (not a PEM key, unreadable) is reported and
-    never read as deleted; repaired in place (the dir's mtime unchanged, as
-    an editor or ``cp`` over it does), it is found by the next listing: its
-    dir is not taken from the snapshot while it holds one.  The other dirs
-    still are.
-    """
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    for d in ("minions", "minions_pre"):
-        (pki / d).mkdir(parents=True)
-    pub = gen_keypair(1024)[1]
-    (pki / "minions_pre" / "web1").write_bytes(pub)
-    junk = pki / "minions" / "junk"
-    junk.write_text("not a key")
-    _age(pki)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    assert any("junk" in e and "PEM" in e for e in first.errors)
-    assert first.damaged == {"minions": ["junk"]}
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert not again.reused and again.errors == first.errors
-    assert again.meta["dirs"] == first.meta["dirs"]
-    stamp = (pki / "minions").stat().st_mtime_ns
-    with open(junk, "r+b") as fh:  # repaired in place
-        fh.truncate(0)
-        fh.write(pub)
-    assert (pki / "minions").stat().st_mtime_ns == stamp
-    repaired = manifest.KeysSnapshot(str(pki), str(state))
-    assert repaired.errors == [] and repaired.damaged == {}
-    assert repaired.manifest["minions"] == {"junk": manifest.key_sha(pub)}
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-
-
-def _future(path, seconds):
-    """Give ``path`` an mtime ``seconds`` ahead of the filesystem's clock."""
-    st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
-
-
-def test_a_key_dir_changed_in_the_listing_s_clock_tick_is_listed_again(tmp_path):
-    """
-    Two changes of a key dir within one tick of the filesystem's clock can
-    leave its mtime as it was (racy, as in git): a dir is trusted only when
-    its mtime is older than the filesystem's clock at the listing.  The
-    listing waits up to FS_CLOCK_WAIT for the clock to pass a dir changed in
-    the current tick; past that (a filesystem with coarse timestamps; here a
-    dir whose mtime is ahead of the clock) it is listed again next time.
-    """
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    _future(pki / "minions", 5)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    assert not first.reused
-    assert first.meta["clock"][1] <= first.meta["dirs"]["minions"][2]  # the wait gave up
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
-    # the same dir once the clock is past it
-    _age(pki, 10)
-    manifest.KeysSnapshot(str(pki), str(state))
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-
-
-def test_without_the_filesystem_s_clock_a_key_dir_settles_for_two_seconds(tmp_path, monkeypatch):
-    """
-    When the state dir's filesystem clock is unknown (it cannot be touched,
-    or the state dir is on another filesystem than the keys), a key dir
-    changed less than RACY_NS before the listing by the wall clock is listed
-    again next time.
-    """
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    monkeypatch.setattr(manifest, "_fs_clock", lambda state_dir, stamps=(): None)
-    manifest.KeysSnapshot(str(pki), str(state))
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
-    _age(pki, 10)
-    manifest.KeysSnapshot(str(pki), str(state))
-    assert manifest.KeysSnapshot(str(pki), str(state)).reused
-    # a clock of another filesystem (st_dev) is not used either
-    monkeypatch.setattr(manifest, "_fs_clock", lambda state_dir, stamps=(): [-1, 2**62])
-    os.utime(pki / "minions")
-    manifest.KeysSnapshot(str(pki), str(state))
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
-
-
-def test_what_was_remembered_of_the_keys_holds_while_they_are_the_same(tmp_path):
-    """
-    The peer's history record is stamped in the key snapshot
-    (``history_recorded``): listing the keys again because they changed a
-    moment before the last listing keeps it; a real change drops it (else
-    every sync after a key change would cost the primary one more publish,
-    to record a history that was recorded).
-    """
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    state.mkdir()
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    snap = manifest.KeysSnapshot(str(pki), str(state))
-    snap.remember(history=[1, 2, 3])
-    os.utime(pki / "minions")  # changed, the same keys: listed again
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert not again.reused and again.meta["history"] == [1, 2, 3]
-    (pki / "minions" / "web2").write_bytes(gen_keypair(1024)[1])
-    changed = manifest.KeysSnapshot(str(pki), str(state))
-    assert changed.digest != snap.digest and "history" not in changed.meta
-
-
-def test_keys_snapshot_with_a_damaged_bucket_lists_again(tmp_path):
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    state.mkdir()
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    _age(pki)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    bucket = state / manifest.KEYS_SNAPSHOT_BUCKETS / f"{manifest.bucket_of('web1')}.json"
-    sha = first.manifest["minions"]["web1"]
-    # malformed, of the wrong shape, another key's hash (altered or stale),
-    # torn, lost: the bucket is never used, the keys are listed again
-    for damage in ('{"minions": {}}', '{"bucket": {"minions": {"web1": 5}}}',
-                   json.dumps({"bucket": {"minions": {"web1": [1, 2, 3, "0" * 64]}}}),
-                   json.dumps({"bucket": {"minions": {"web1": [1, 2, 3, sha]},
-                                          "minions_pre": {"web1": [1, 2, 3, sha]}}}),
-                   "", None):
-        if damage is None:
-            bucket.unlink()
-        else:
-            bucket.write_text(damage)
-        again = manifest.KeysSnapshot(str(pki), str(state))
-        assert again.reused and again.buckets_read == 0
-        assert again.manifest == first.manifest and list(again.manifest["minions"]) == ["web1"]
-        assert again.digest == first.digest
-        assert json.loads(bucket.read_text())["bucket"]["minions"]["web1"][3] == sha  # saved again
-    (state / "keys-snapshot.json").write_text('{"pki_dir": "%s", "errors": {}}' % pki)
-    damaged = manifest.KeysSnapshot(str(pki), str(state))
-    assert not damaged.reused and damaged.manifest == first.manifest
-
-
-def test_keys_snapshot_names_exactly_its_buckets_files_after_a_lost_dir(tmp_path):
-    """
-    The bucket files lost while a key whose bucket it emptied is deleted:
-    the next snapshot names a file for each bucket of its digests and no
-    other, so the one after keeps its previous state (a change sync in
-    one round trip) instead of listing everything again and again.
-    """
-    import shutil
-
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    pub = gen_keypair(1024)[1]
-    for i in range(10):
-        (pki / "minions" / f"m{i}").write_bytes(pub)
-    _age(pki)
-    manifest.KeysSnapshot(str(pki), str(state))
-    shutil.rmtree(state / manifest.KEYS_SNAPSHOT_BUCKETS)
-    (pki / "minions" / "m3").unlink()
-    _age(pki)
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    meta = json.loads((state / manifest.KEYS_SNAPSHOT).read_text())
-    assert set(meta["buckets"]) == set(meta["digest"]) == set(first.digest)
-    (pki / "minions" / "m4").unlink()
-    _age(pki)
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert again.previous_parts() is not None and again.previous_parts()[0] == first.digest
-    # a snapshot naming a file for a bucket it has no digest of is not used
-    meta["buckets"]["x"] = "0" * 64
-    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps(meta))
-    assert not manifest.KeysSnapshot(str(pki), str(state)).reused
-
-
-def test_keys_state_is_the_listing_of_chosen_ids(tmp_path):
-    pki = tmp_path / "pki"
-    for state in ("minions", "minions_pre", "minions_denied"):
-        (pki / state).mkdir(parents=True)
-    pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
-    (pki / "minions" / "web1").write_bytes(pub)
-    (pki / "minions_denied" / "web1").write_bytes(other)
-    (pki / "minions_pre" / "web2").write_bytes(other)
-    (pki / "minions" / "junk").write_text("not a key")
-    errors = []
-    man, _ = _listed(pki, tmp_path)
-    chosen = manifest.keys_state(str(pki), ["web1", "absent", "junk", "../x"], errors=errors)
-    assert chosen == {s: {m: v for m, v in man[s].items() if m == "web1"}
-                      for s in manifest.KEY_DIRS}
-    assert chosen["minions_denied"] == {"web1": manifest.key_sha(other)}
-    assert [e.split(":")[0] for e in errors] == ["minions/junk", "'../x'"]
-
-
 def test_seal_roundtrip_and_binding():
     priv, pub = gen_keypair(2048)
     blob = seal.seal(pub, b"master.pem bytes", "peer1", "master_keys/master.pem")
@@ -453,8 +135,8 @@ def test_atomic_write_modes_and_safe_join(tmp_path):
 
 def test_a_cache_is_written_atomically_without_disk_flushes(tmp_path, monkeypatch):
     """
-    ``durable=False`` (the hash caches, the key snapshot, the saved roots
-    manifests, what a peer was last confirmed to hold): the same rename into
+    ``durable=False`` (the hash caches, the saved roots manifests, what a
+    peer was last confirmed to hold): the same rename into
     place, no fsync; everything else is flushed, file and directory.
     """
     flushed = []
@@ -465,18 +147,6 @@ def test_a_cache_is_written_atomically_without_disk_flushes(tmp_path, monkeypatc
     fsutil.atomic_write(str(tmp_path / "record.json"), "{}", mode=0o600)
     assert [stat.S_ISREG(m) for m in flushed] == [True, False]  # the file, then its dir
     assert [p for p in os.listdir(tmp_path) if p.startswith(".mm-")] == []
-    # what is written so is a cache its readers rebuild when it is unreadable
-    state = tmp_path / "state"
-    pki = tmp_path / "pki"
-    (pki / "minions").mkdir(parents=True)
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    first = manifest.KeysSnapshot(str(pki), str(state))
-    (state / manifest.KEYS_SNAPSHOT_BUCKETS / f"{manifest.bucket_of('web1')}.json").write_text(
-        "")  # lost in a crash
-    (state / manifest.KEYS_SNAPSHOT).write_text("")
-    again = manifest.KeysSnapshot(str(pki), str(state))
-    assert not again.reused and again.digest == first.digest
-    assert again.manifest == first.manifest
 
 
 def test_a_small_batch_flushes_its_files_a_large_one_syncs_once(tmp_path, monkeypatch):
@@ -516,9 +186,11 @@ def test_batch_commits_all_writes_then_removals(tmp_path):
     # manifests (and Salt's key listing: a dot entry) never read
     (stage,) = [p for p in tmp_path.iterdir() if p.name.startswith(".mm-stage-")]
     assert stat.S_IMODE(stage.stat().st_mode) == 0o700 and len(list(stage.iterdir())) == 2
-    assert manifest.tree_manifest([str(tmp_path)], manifest.Ignore(), manifest.HashCache()) == {
+    scan = rootscan.RootsScan({"file_roots": {"base": [str(tmp_path)]}}, "file_roots",
+                              str(tmp_path.parent / f"{tmp_path.name}-state"))
+    assert manifest.merge(scan.parts, scan.parts) == {"base": {
         "gone": [1, 0o644, hashlib.sha256(b"x").hexdigest()],
-        "old": [3, 0o644, hashlib.sha256(b"old").hexdigest()]}
+        "old": [3, 0o644, hashlib.sha256(b"old").hexdigest()]}}
     batch.commit()
     assert keep.read_text() == "new" and stat.S_IMODE(keep.stat().st_mode) == 0o600
     assert (tmp_path / "added").read_text() == "added" and not gone.exists()
@@ -602,73 +274,6 @@ def test_bucket_digests_stay_those_of_protocol_1():
     assert manifest.bucket_of("web1") == str(hashlib.sha1(b"web1").digest()[0] % 64)
 
 
-def test_later_runs_each_write_once_in_order_and_logs_a_failure(tmp_path, caplog):
-    later = fsutil.Later()
-    done = []
-    later.add(done.append, 1)
-    later.add(fsutil.atomic_write, str(tmp_path / "missing-dir" / "f"), b"x")
-    later.add(done.append, 2)
-    assert done == []
-    with caplog.at_level("WARNING"):
-        later.run()
-        later.run()
-    assert done == [1, 2]
-    warned = [r.getMessage() for r in caplog.records if "cache not saved" in r.getMessage()]
-    assert len(warned) == 1, warned
-    assert warned[0].startswith("multimaster: cache not saved ([Errno 2] No such file or "
-                                f"directory: '{tmp_path}/missing-dir/")
-    assert warned[0].endswith("), read again next time")
-    fsutil.now_or_later(None, done.append, 3)
-    assert done == [1, 2, 3]
-
-
-def test_saved_roots_parts_write_and_read_the_changed_buckets_only(tmp_path, monkeypatch):
-    """
-    The roots manifest cut in buckets as the last read found it (the
-    primary's previous state): a save writes the buckets whose digest
-    changed, a bucket is read when looked up, and the previous parts stay
-    the answer after a save (another peer planned later in the same sync).
-    """
-    man = {"base": {f"f{i}.sls": [i, 0o644, f"{i:064x}"] for i in range(200)}}
-    roots = {"base": [str(tmp_path)]}
-    first = manifest.RootsParts(str(tmp_path), "file_roots")
-    assert first.previous() is None
-    first.save(first.update(roots, man, None, None), None)
-    parts = manifest.split("file_roots", man)
-    assert first.raw == first.safe == manifest.bucket_digests(parts) and first.parts == parts
-    written = []
-    real = fsutil.atomic_write
-    monkeypatch.setattr(fsutil, "atomic_write",
-                        lambda path, *a, **k: written.append(os.path.basename(path))
-                        or real(path, *a, **k))
-    last = manifest.RootsParts(str(tmp_path), "file_roots")
-    assert last.digest == first.safe
-    now = {"base": dict(man["base"], **{"f7.sls": [8, 0o644, "f" * 64]})}
-    now["base"].pop("f9.sls")
-    changed = sorted({manifest.bucket_of("base/f7.sls"), manifest.bucket_of("base/f9.sls")})
-    digest, previous = last.previous()
-    assert sorted(last.update(roots, now, None, None)) == changed
-    last.save(last.update(roots, now, None, None), None)
-    assert sorted(written) == sorted([f"{b}.json" for b in changed] + ["roots-file_roots.json"])
-    assert digest == first.safe and dict(previous()) == parts  # as when the save began
-    again = manifest.RootsParts(str(tmp_path), "file_roots")
-    new_parts = manifest.split("file_roots", now)
-    assert again.digest == manifest.bucket_digests(new_parts)
-    assert dict(again.previous()[1]()) == new_parts
-    # a bucket's file lost or altered: that bucket is missing, never wrong
-    bucket = changed[0]
-    (tmp_path / "roots-file_roots.d" / f"{bucket}.json").write_text(
-        json.dumps({"bucket": parts[bucket]}))
-    damaged = manifest.RootsParts(str(tmp_path), "file_roots")
-    assert bucket not in damaged.previous()[1]() and dict(damaged.previous()[1]()) == {
-        b: p for b, p in new_parts.items() if b != bucket}
-    # and it is written again by the next read, although its digest is the same
-    assert bucket in damaged.update(roots, now, None, None)
-    # the single file of an earlier release: no saved state
-    (tmp_path / "roots-file_roots.json").write_text(json.dumps({"digest": digest, "manifest": man}))
-    assert manifest.RootsParts(str(tmp_path), "file_roots").digest is None
-
-
 def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_digest(
         tmp_path, monkeypatch):
     """
@@ -691,11 +296,11 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
 
     def record():
         asked.clear()
-        digest = manifest.KeysSnapshot(str(pki), state).digest  # the primary's, the same keys
+        digest = keyscan.KeysSnapshot(str(pki), state).digest  # the primary's, the same keys
         peer.record_history(mopts, state, digest)
         return asked[0] if asked else []
 
-    every = sorted(manifest.KeysSnapshot(str(pki), state).digest)
+    every = sorted(keyscan.KeysSnapshot(str(pki), state).digest)
     assert record() == every
     assert sorted(peer.read_history(state)) == sorted(f"m{i}" for i in range(40))
     assert record() == []  # all recorded

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from salt_multimaster import fsutil, grants, lock, manifest, replicate, sync
+from salt_multimaster import fsutil, grants, keyscan, lock, manifest, replicate, rootscan, sync
 from tests.support.cluster import gen_keypair
 from tests.support.keys import digest_of_keys
 
@@ -177,17 +177,16 @@ def test_plan_tree_never_removes_files_unreadable_on_the_primary():
     assert ops == [] and len(report["errors"]) == 4
 
 
-def test_damaged_sources_named_by_manifests(tmp_path):
+def test_damaged_sources_named_by_manifests(tmp_path, monkeypatch):
     pki = tmp_path / "pki"
     (pki / "minions").mkdir(parents=True)
     (pki / "minions" / "good").write_bytes(gen_keypair(1024)[1])
     (pki / "minions" / "bad").write_bytes(b"garbage, not a key")
-    snap = manifest.KeysSnapshot(str(pki), str(tmp_path / "state"))
+    snap = keyscan.KeysSnapshot(str(pki), str(tmp_path / "state"))
     assert snap.damaged == {"minions": ["bad"]}
     assert snap.errors == ["minions/bad: not a PEM public key, skipped"]
-    # the snapshot reused (no key dir changed) still names it
-    time.sleep(0.01)
-    again = manifest.KeysSnapshot(str(pki), str(tmp_path / "state"))
+    # a scan that finds the dir as it was still names it
+    again = keyscan.KeysSnapshot(str(pki), str(tmp_path / "state"))
     assert again.damaged == {"minions": ["bad"]}
 
     root = tmp_path / "root"
@@ -195,8 +194,6 @@ def test_damaged_sources_named_by_manifests(tmp_path):
     (root / "ok").write_text("ok")
     (root / "secret").write_text("x")
     (root / "sub" / "f").write_text("f")
-    errors = []
-    cache = manifest.HashCache()
     real_hash = manifest.sha256_file
 
     def hasher(path):
@@ -204,35 +201,46 @@ def test_damaged_sources_named_by_manifests(tmp_path):
             raise PermissionError(13, "Permission denied")
         return real_hash(path)
 
-    cache_sha = cache.sha256
-    cache.sha256 = lambda path, st, hasher=hasher: cache_sha(path, st, hasher=hasher)
-    man = manifest.roots_manifest({"base": [str(root)]}, manifest.Ignore(), cache, errors=errors)
-    assert sorted(man["base"]) == ["ok", "sub/f"]
-    assert errors == [f"{root}: secret: unreadable: Permission denied"]
-    assert manifest.damaged_sources(errors) == {"base": ["secret"]}
+    monkeypatch.setattr(manifest, "sha256_file", hasher)
+    scan = rootscan.RootsScan({"file_roots": {"base": [str(root)]}}, "file_roots",
+                              str(tmp_path / "state"))
+    assert sorted(manifest.merge(scan.parts, scan.parts)["base"]) == ["ok", "sub/f"]
+    assert scan.errors == [f"{root}: secret: unreadable: Permission denied"]
+    assert scan.damaged == manifest.damaged_sources(scan.errors) == {"base": ["secret"]}
     assert manifest.damaged_sources(["a plain error"]) == {}
 
 
 # ----- rescan of files (item 9) ----------------------------------------------
-def test_rescan_rehashes_a_file_rewritten_behind_the_stat_cache(tmp_path):
+def test_a_file_rewritten_in_place_is_seen_and_rescan_reads_every_file(tmp_path, monkeypatch):
+    """
+    A file rewritten with its inode, size and mtime put back is seen by the
+    next scan (its ctime moved); ``rescan=True`` reads every file again,
+    whatever the store holds.
+    """
     root = tmp_path / "root"
     root.mkdir()
     path = root / "f.sls"
     path.write_text("one")
+    (root / "g.sls").write_text("g")
     opts = {"file_roots": {"base": [str(root)]}}
     state = str(tmp_path / "state")
-    first, _ = manifest.read_roots(opts, ["file_roots"], state)
+
+    def read(rescan=False):
+        return rootscan.RootsScan(opts, "file_roots", state, rescan=rescan).parts
+
+    first = read()
     st = path.stat()
     with open(path, "r+", encoding="utf-8") as fh:  # same inode, size
         fh.write("two")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # and mtime
-    plain, _ = manifest.read_roots(opts, ["file_roots"], state)
-    assert plain == first  # the stat cache cannot see it
-    rescanned, _ = manifest.read_roots(opts, ["file_roots"], state, rescan=True)
-    assert rescanned["file_roots"]["base"]["f.sls"][2] != first["file_roots"]["base"]["f.sls"][2]
-    # and the cache now holds the new hash
-    after, _ = manifest.read_roots(opts, ["file_roots"], state)
-    assert after == rescanned
+    plain = read()
+    bucket = manifest.bucket_of("base/f.sls")
+    assert plain[bucket]["base"]["f.sls"][2] != first[bucket]["base"]["f.sls"][2]
+    reads = []
+    real = manifest.sha256_file
+    monkeypatch.setattr(manifest, "sha256_file", lambda p: reads.append(p) or real(p))
+    assert read() == plain and reads == []
+    assert read(rescan=True) == plain and sorted(reads) == [str(path), str(root / "g.sls")]
 
 
 def test_forget_fileserver_hashes(tmp_path):
@@ -309,7 +317,7 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
 def test_plan_passes_damaged_sources_to_the_planners():
     keys = {"minions": {"ok": A}}
     primary = {"minion_keys": {"digest": digest_of_keys(keys), "previous": None,
-                               "snapshot": type("S", (), {"parts": manifest.split("minion_keys", keys)}),
+                               "parts": manifest.split("minion_keys", keys),
                                "damaged": {"minions": ["bad"]}}}
     peer_keys = {"minions": {"ok": A, "bad": B}}
     parts = manifest.split("minion_keys", peer_keys)

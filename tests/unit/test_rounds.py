@@ -175,32 +175,6 @@ def test_a_targeted_key_sync_after_a_full_sync_is_one_publish(fake):
     _assert_replica(fake.primary_opts, fake.mopts)
 
 
-def test_the_primary_saves_what_it_read_once_its_publish_is_out(fake):
-    """The primary's caches are written while the peer works, not before the publish."""
-    tmp_path = fake.state_dir.rsplit("/", 1)[0]
-    _sync(fake)
-    with open(f"{tmp_path}/m1/pki/minions/web3", "wb") as fh:
-        fh.write(gen_keypair(1024)[1])
-    seen = []
-    publish = fake.publish
-
-    def spying(peers, fun, request, timeout):
-        seen.append(manifest.KeysSnapshot.saved_digest(fake.primary_opts["pki_dir"],
-                                                       f"{tmp_path}/m1/cache/multimaster"))
-        return publish(peers, fun, request, timeout)
-
-    before = manifest.KeysSnapshot.saved_digest(fake.primary_opts["pki_dir"],
-                                                f"{tmp_path}/m1/cache/multimaster")
-    fake.publish = spying
-    res, published = _sync(fake)
-    assert published == ["apply"] and res["result"] is True, res
-    assert seen == [before]  # at the publish: the snapshot of the last sync
-    after = manifest.KeysSnapshot(fake.primary_opts["pki_dir"], f"{tmp_path}/m1/cache/multimaster")
-    assert after.reused and after.digest != before  # saved by the end of the sync
-    assert manifest.KeysSnapshot.saved_digest(
-        fake.primary_opts["pki_dir"], f"{tmp_path}/m1/cache/multimaster") == after.digest
-
-
 def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
     """
     The listing of the key dirs an apply changed, for its history record,

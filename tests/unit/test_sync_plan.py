@@ -1,10 +1,8 @@
 """Planning a peer from the primary's previous state: the same plan as from the peer's details."""
 
-import json
-import shutil
-import types
+import os
 
-from salt_multimaster import manifest, replicate, sync
+from salt_multimaster import manifest, replicate, store, sync
 from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -16,10 +14,9 @@ def _primary(cat, before, now, previous=True):
              "previous": ((digest_of_keys(before) if cat == "minion_keys"
                            else manifest.bucket_digests(manifest.split(cat, before)),
                            lambda: manifest.split(cat, before)) if previous else None)}
-    if cat == "minion_keys":
-        entry.update(snapshot=types.SimpleNamespace(parts=parts))
-    else:
-        entry.update(parts=parts, envs=sorted(now))
+    entry["parts"] = parts
+    if cat != "minion_keys":
+        entry["envs"] = sorted(now)
     return {cat: entry}
 
 
@@ -111,18 +108,17 @@ def _held(opts, peer, ids):
 
 
 def _snapshot_of(tmp_path, man):
-    """A primary whose saved key snapshot holds ``man``; its options."""
+    """A primary whose last key scan (its state store) holds ``man``; its options."""
     opts = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki")}
-    state = tmp_path / "cache" / "multimaster"
-    state.mkdir(parents=True)
+    saved = store.Store(str(tmp_path / "cache" / "multimaster"))
     parts = manifest.split("minion_keys", man)
-    digest = manifest.bucket_digests(parts)
-    files = manifest.key_buckets(str(state), {})
-    files.save({
-        b: {s: {mid: [1, 2, 3, sha] for mid, sha in keys.items()} for s, keys in part.items()}
-        for b, part in parts.items()})
-    (state / manifest.KEYS_SNAPSHOT).write_text(json.dumps({"digest": digest,
-                                                            "buckets": files.shas}))
+    with saved.write():
+        saved.db.executemany("INSERT INTO keys VALUES (?, ?, ?, 1, 2, 3, 4, ?)", [
+            (state, mid, manifest.bucket_of(mid), sha)
+            for state, keys in man.items() for mid, sha in keys.items()])
+        saved.set_digests("minion_keys", manifest.bucket_digests(parts))
+        saved.set_meta("keys", {"pki_dir": opts["pki_dir"]})
+    saved.close()
     return opts
 
 
@@ -163,7 +159,7 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
         {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
     # the snapshot does not hold what the peer was confirmed to hold there
     assert _held(opts, "p", ["web1"]) is None
-    shutil.rmtree(tmp_path / "cache" / "multimaster" / manifest.KEYS_SNAPSHOT_BUCKETS)
+    os.unlink(tmp_path / "cache" / "multimaster" / store.NAME)  # no scan kept
     assert _held(opts, "p", ["web1"]) is None
     # a sync that left conflicts forgets; so does one where the peer held otherwise
     opts2 = _snapshot_of(tmp_path / "2", before)

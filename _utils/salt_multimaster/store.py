@@ -1,0 +1,206 @@
+"""
+The state store of one master: ``<state dir>/state.sqlite``, SQLite from
+the standard library (WAL, opened 0600 in the 0700 state dir), what the
+last scan of its key dirs and roots saw.
+
+Tables (schema :data:`SCHEMA`, in SQLite's ``user_version``):
+
+``keys``
+    ``(state, id) -> bucket, inode, size, mtime_ns, ctime_ns, sha256``:
+    every usable key file of the last scan (:mod:`salt_multimaster.keyscan`).
+``files``, ``dirs``
+    ``(category, saltenv, root, dir, name) -> bucket, inode, size,
+    mtime_ns, ctime_ns, mode, sha256, error``: every file of each root of
+    ``file_roots`` and ``pillar_roots`` (or why it cannot be used), and
+    each directory, with whether it held a symlink or an error
+    (:mod:`salt_multimaster.rootscan`).
+``digests``
+    ``(category, bucket) -> digest`` of those rows
+    (:func:`salt_multimaster.manifest.bucket_digests`; the roots also as a
+    peer in step holds them, ``<category>:safe``).
+``hashes``
+    ``path -> inode, size, mtime_ns, ctime_ns, sha256`` of the files a
+    peer's apply wrote, so that the next scan does not read them again.
+``meta``
+    ``name -> JSON``: what else a scan keeps (the journal's token, the
+    errors of the key dirs, the roots and ignore rules scanned).
+
+It is a cache of the disk: written without a flush of its own (a crash
+may lose the last scan, never the data), and a store that cannot be
+opened, of another schema version, or damaged, is moved aside
+(``state.sqlite.damaged-<time>``) and rebuilt empty: the next scan reads
+every key and file again.  Never trusted, never the only copy of anything.
+"""
+
+import contextlib
+import json
+import os
+import sqlite3
+
+from salt_multimaster import statefile
+
+NAME = "state.sqlite"
+SCHEMA = 1
+
+_TABLES = """
+CREATE TABLE keys (state TEXT NOT NULL, id TEXT NOT NULL, bucket TEXT NOT NULL,
+                   ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER,
+                   sha TEXT NOT NULL, PRIMARY KEY (state, id));
+CREATE INDEX keys_bucket ON keys (bucket);
+CREATE TABLE files (cat TEXT NOT NULL, env TEXT NOT NULL, root TEXT NOT NULL, dir TEXT NOT NULL,
+                    name TEXT NOT NULL, bucket TEXT NOT NULL, ino INTEGER, size INTEGER,
+                    mtime_ns INTEGER, ctime_ns INTEGER, mode INTEGER, sha TEXT, error TEXT,
+                    PRIMARY KEY (cat, env, root, dir, name));
+CREATE INDEX files_bucket ON files (cat, bucket);
+CREATE TABLE dirs (cat TEXT NOT NULL, env TEXT NOT NULL, root TEXT NOT NULL, rel TEXT NOT NULL,
+                   clean INTEGER NOT NULL, PRIMARY KEY (cat, env, root, rel));
+CREATE TABLE digests (cat TEXT NOT NULL, bucket TEXT NOT NULL, digest TEXT NOT NULL,
+                      PRIMARY KEY (cat, bucket));
+CREATE TABLE hashes (path TEXT PRIMARY KEY, ino INTEGER, size INTEGER, mtime_ns INTEGER,
+                     ctime_ns INTEGER, sha TEXT NOT NULL);
+CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+#: how long a writer waits for another process's transaction (seconds)
+BUSY_TIMEOUT = 30
+
+
+class Store:
+    """
+    One connection to the store of ``state_dir`` (its caller closes it).
+    ``with store.write():`` makes one transaction, taken at once (a
+    concurrent scan waits for it).
+    """
+
+    def __init__(self, state_dir):
+        self.path = os.path.join(state_dir, NAME)
+        if not os.path.isdir(state_dir):
+            statefile.makedirs(state_dir, os.path.dirname(state_dir))
+        try:
+            self.db = self._open()
+        except (sqlite3.DatabaseError, statefile.Damaged) as exc:
+            set_aside(state_dir, exc.why if isinstance(exc, statefile.Damaged) else str(exc))
+            self.db = self._open()
+
+    def _open(self):
+        if not os.path.lexists(self.path):
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o600))
+        elif os.path.islink(self.path) or not os.path.isfile(self.path):
+            raise statefile.Damaged(self.path, "not a file")
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None)
+        try:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version == 0 and not db.execute("SELECT 1 FROM sqlite_master").fetchone():
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(f"BEGIN; {_TABLES} PRAGMA user_version={SCHEMA}; COMMIT;")
+            elif version != SCHEMA:
+                raise statefile.Damaged(self.path, f"schema version {version}, not {SCHEMA}")
+            db.execute("PRAGMA synchronous=NORMAL")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def close(self):
+        self.db.close()
+
+    @contextlib.contextmanager
+    def write(self):
+        """A transaction (``with store.write():``), begun at once, rolled back on an error."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def query(self, sql, args=()):
+        return self.db.execute(sql, args).fetchall()
+
+    def meta(self, name, default=None):
+        """The JSON value ``name`` of the ``meta`` table (``default``: none, or not JSON)."""
+        rows = self.query("SELECT value FROM meta WHERE name = ?", (name,))
+        try:
+            return json.loads(rows[0][0]) if rows else default
+        except ValueError:
+            return default
+
+    def set_meta(self, name, value):
+        self.db.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)",
+                        (name, json.dumps(value)))
+
+    def digests(self, cat):
+        """``{bucket: digest}`` of ``cat``."""
+        return dict(self.query("SELECT bucket, digest FROM digests WHERE cat = ?", (cat,)))
+
+    def set_digests(self, cat, digests):
+        """Replace the digests of the buckets of ``digests`` (None: the bucket is empty)."""
+        for bucket, digest in digests.items():
+            if digest is None:
+                self.db.execute("DELETE FROM digests WHERE cat = ? AND bucket = ?", (cat, bucket))
+            else:
+                self.db.execute("INSERT OR REPLACE INTO digests (cat, bucket, digest) "
+                                "VALUES (?, ?, ?)", (cat, bucket, digest))
+
+    def known_hash(self, path, st):
+        """The sha256 :func:`record_hashes` kept for ``path`` when it still has stat ``st``."""
+        rows = self.query("SELECT ino, size, mtime_ns, ctime_ns, sha FROM hashes WHERE path = ?",
+                          (path,))
+        if rows and rows[0][:4] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
+            return rows[0][4]
+        return None
+
+
+def set_aside(state_dir, why):
+    """
+    The store of ``state_dir`` found damaged (``why``): logged once, moved
+    aside (``state.sqlite.damaged-<time>``, its WAL files with it); the
+    next :class:`Store` starts empty, so that every key and file is read
+    again.
+    """
+    path = os.path.join(state_dir, NAME)
+    statefile.notice(path, str(why), "rebuilt: every key and file is read again")
+    for suffix in ("-wal", "-shm", ""):
+        if os.path.lexists(path + suffix):
+            statefile.aside(path + suffix, str(why))
+
+
+def read(state_dir, query):
+    """
+    ``query(store)`` on the store of ``state_dir``, closed after; None when
+    there is none (nothing is created) or it cannot be read (what it
+    vouched for is unknown: the caller reads or asks again).
+    """
+    path = os.path.join(state_dir, NAME)
+    if not os.path.isfile(path):
+        return None
+    found = Store(state_dir)
+    try:
+        return query(found)
+    except sqlite3.DatabaseError as exc:
+        statefile.notice(path, str(exc), "not used: what it holds is read again")
+        return None
+    finally:
+        found.close()
+
+
+def record_hashes(state_dir, entries):
+    """
+    Keep ``(path, stat, sha256)`` of files just written in the store of
+    ``state_dir`` (:meth:`Store.known_hash`); a store that cannot be
+    written is logged: those files are read again.
+    """
+    found = Store(state_dir)
+    try:
+        with found.write():
+            found.db.executemany(
+                "INSERT OR REPLACE INTO hashes (path, ino, size, mtime_ns, ctime_ns, sha) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha)
+                 for path, st, sha in entries])
+    except sqlite3.DatabaseError as exc:
+        statefile.notice(found.path, str(exc), "the files written are read again")
+    finally:
+        found.close()
