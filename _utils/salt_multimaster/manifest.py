@@ -239,11 +239,24 @@ def locate_confined(roots, rel, realpath=os.path.realpath):
     return None
 
 
+def utf8(name):
+    """Whether ``name`` (a file name, surrogate-escaped where its bytes are not UTF-8) is UTF-8."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def valid_minion_id(minion_id):
-    """Minion ids as Salt accepts them for key files (salt.utils.verify.valid_id)."""
+    """
+    Minion ids as Salt accepts them for key files (salt.utils.verify.valid_id),
+    in UTF-8.
+    """
     return (
         isinstance(minion_id, str)
         and bool(minion_id)
+        and utf8(minion_id)
         and minion_id not in (".", "..")
         and not _ID_BAD.search(minion_id)
         and not minion_id.startswith(fsutil.TEMP_PREFIX)

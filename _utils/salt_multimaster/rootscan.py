@@ -26,12 +26,6 @@ from salt_multimaster import fsutil, manifest, replicate, store as state_store
 ROOTS = ("file_roots", "pillar_roots")
 
 
-def _under(rel):
-    """SQL ``LIKE`` pattern of every path under the directory ``rel``."""
-    escaped = rel.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return f"{escaped}/%"
-
-
 def _journal_word(watch, token, roots, rescan):
     """
     ``(dirty, token)``: ``{real root: set of dirs changed}`` for the roots
@@ -237,7 +231,8 @@ class _Walk:
         """The rows of the directory ``rel`` go (``under``: and of every directory below)."""
         where, args = "dir = ?", (rel,)
         if under:
-            where, args = "(dir = ? OR dir LIKE ? ESCAPE '\\')", (rel, _under(rel))
+            # every dir below: from "rel/" up to "rel0" ("0" follows "/"), byte-wise
+            where, args = "(dir = ? OR (dir >= ? AND dir < ?))", (rel, f"{rel}/", f"{rel}0")
         cond = "cat = ? AND env = ? AND root = ? AND "
         for directory, name in self.db.execute(
                 f"SELECT dir, name FROM files WHERE {cond}{where}", self.key + args):
@@ -283,6 +278,12 @@ class _Walk:
             if name.startswith(fsutil.TEMP_PREFIX):
                 continue  # a sync writing here: its temporary files
             sub = prefix + name
+            if not manifest.utf8(name):
+                shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                now[shown] = self._row(rel, shown, error=f"{self.root}: {prefix}{shown}: not a "
+                                                         "UTF-8 name, not replicated")
+                clean = False
+                continue
             try:
                 is_dir = entry.is_dir()  # follows symlinks, as Salt does
             except OSError:

@@ -433,3 +433,44 @@ def test_a_scan_with_the_real_watcher(tree, tmp_path, monkeypatch):
         server.join()
         watcher.close()
     assert watch.client(str(state))(None) is None  # no socket left: a full walk, at once
+
+
+def test_a_name_that_is_not_utf8_is_reported_not_stored(tmp_path):
+    """The store holds UTF-8 text: a file or key named otherwise is an error, never a crash."""
+    from salt_multimaster import keyscan
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "ok.sls").write_text("ok")
+    with open(os.path.join(os.fsencode(root), b"bad\xff.sls"), "wb") as fh:
+        fh.write(b"x")
+    scan = rootscan.RootsScan({"file_roots": {"base": [str(root)]}}, "file_roots",
+                              str(tmp_path / "state"))
+    assert list(manifest.merge(scan.parts, scan.parts)["base"]) == ["ok.sls"]
+    assert [e.split(": ", 1)[1] for e in scan.errors] == [
+        "bad\ufffd.sls: not a UTF-8 name, not replicated"]
+    pki = tmp_path / "pki"
+    (pki / "minions").mkdir(parents=True)
+    with open(os.path.join(os.fsencode(pki / "minions"), b"m\xff"), "wb") as fh:
+        fh.write(b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n")
+    snap = keyscan.KeysSnapshot(str(pki), str(tmp_path / "state"))
+    assert snap.digest == {} and [e.split(":")[0] for e in snap.errors] == ["minions/'m\\udcff'"]
+
+
+def test_a_directory_gone_takes_only_its_own_rows(tmp_path):
+    """``Foo`` removed beside ``foo`` and ``Foo_x``: the others' files stay (byte-wise names)."""
+    root = tmp_path / "root"
+    for name in ("Foo", "foo", "Foo_x", "Foo0"):
+        (root / name / "in").mkdir(parents=True)
+        (root / name / "in" / "f.sls").write_text(name)
+    opts = {"file_roots": {"base": [str(root)]}}
+    fake = FakeWatcher([root])
+    state = tmp_path / "state"
+    _read(opts, state, fake)
+    for path in (root / "Foo" / "in" / "f.sls", root / "Foo" / "in", root / "Foo"):
+        path.unlink() if path.is_file() else path.rmdir()
+    fake.touch(root, "Foo")
+    got = _read(opts, state, fake)
+    assert sorted(got["file_roots"]["manifest"]["base"]) == [
+        "Foo0/in/f.sls", "Foo_x/in/f.sls", "foo/in/f.sls"]
+    assert got == _full(opts, tmp_path)
