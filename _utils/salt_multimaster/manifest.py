@@ -284,8 +284,7 @@ class BucketFiles:
     file is read on first use and used only when it is the one named there
     (and ``valid(data)``); one lost, torn, stale or altered reads as None.
     What was read stays: :meth:`save` reads the files it replaces first, so
-    they are still the answer for the ``shas`` given.  ``files_read``: how
-    many files were read, ``parsed``: how many of them were parsed.
+    they are still the answer for the ``shas`` given.
     ``durable``: not a cache (the files flushed to disk, as
     :func:`fsutil.atomic_write` does by default).
     """
@@ -294,22 +293,16 @@ class BucketFiles:
         self.dir = directory
         self.durable = durable  # each file flushed before and after its rename
         self.shas = dict(shas) if isinstance(shas, dict) else {}
-        self.files_read = 0
-        self.parsed = 0
         self.bad = set()  # buckets whose file did not match
         self._given = dict(self.shas)
         self._valid = valid
         self._read = {}
-        self._texts = {}  # read and checked by matching(), not parsed yet
 
     def _path(self, bucket):
         return os.path.join(self.dir, f"{bucket}.json")
 
     def _text(self, bucket):
         """The bytes of ``bucket``'s file when it is the one named, else None."""
-        if bucket in self._texts:
-            return self._texts.pop(bucket)
-        self.files_read += 1
         path = self._path(bucket)
         try:
             text = statefile.read_bytes(path)
@@ -322,22 +315,6 @@ class BucketFiles:
             return None
         return text
 
-    def matching(self):
-        """
-        The buckets whose file is the one named (each read and checked, its
-        data parsed only when :meth:`get` asks for it); the others are in
-        ``bad``.
-        """
-        for bucket in self._given:
-            if bucket not in self._read and bucket not in self._texts:
-                text = self._text(bucket)
-                if text is None:
-                    self._read[bucket] = None
-                    self.bad.add(bucket)
-                else:
-                    self._texts[bucket] = text
-        return {b for b in self._given if b in self._texts or self._read.get(b) is not None}
-
     def get(self, bucket):
         """One bucket's data (``{}``: an empty bucket), None when its file does not match."""
         if bucket not in self._read:
@@ -348,7 +325,6 @@ class BucketFiles:
                 text = self._text(bucket)
                 try:
                     if text is not None:
-                        self.parsed += 1
                         data = json.loads(text).get("bucket")
                 except (ValueError, AttributeError):
                     pass
@@ -357,15 +333,6 @@ class BucketFiles:
                     self.bad.add(bucket)
             self._read[bucket] = data
         return self._read[bucket]
-
-    def every(self):
-        """``{bucket: data}`` of every bucket; None when one does not match."""
-        ret = {}
-        for bucket in self._given:
-            ret[bucket] = self.get(bucket)
-            if ret[bucket] is None:
-                return None
-        return ret
 
     def save(self, changed):
         """Write the buckets of ``changed`` (``{bucket: data}``); an empty one is removed."""
