@@ -17,11 +17,14 @@ their root (others are reported and left out); Salt's
 paths; a sync's temporary files are never listed.
 """
 
+import logging
 import os
 import sqlite3
 import stat
 
 from salt_multimaster import fsutil, manifest, replicate, store as state_store
+
+log = logging.getLogger(__name__)
 
 ROOTS = ("file_roots", "pillar_roots")
 
@@ -121,7 +124,7 @@ class RootsScan:
             token = meta.get("token")  # no word: what changed since it still covers the next
         self.previous_safe = store.digests(f"{cat}:safe")
         self.known_hash = (lambda path, st: None) if rescan else store.known_hash
-        writes, buckets = [], set()
+        writes, buckets, unlisted = [], set(), 0
         for env, roots in self.roots.items():
             for root in roots:
                 walk = _Walk(self, db, env, root, rescan)
@@ -129,6 +132,10 @@ class RootsScan:
                 walk.run(None if vouched is None else vouched)
                 writes.extend(walk.writes)
                 buckets |= walk.buckets
+                unlisted += len(set(walk.known) - walk.visited)
+        if dirty is not None:
+            log.debug("multimaster: %s read at journal token %s, %d director(ies) unlisted", cat,
+                      token.get("seq"), unlisted)
         self._old_parts = {b: _merged(_bucket_rows(db, cat, b), self.roots)[0].get(b, {})
                            for b in buckets}
         for statement, rows in writes:

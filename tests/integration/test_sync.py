@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
 import stat
 import time
 
@@ -447,8 +446,7 @@ def test_damaged_saved_state_on_the_primary_still_converges(cluster):
     (pki / "minions" / "doomed").unlink()
     (base / "doomed.sls").unlink()
     state = pathlib.Path(cluster.primary.config["cachedir"]) / "multimaster"
-    shutil.rmtree(state / "roots-file_roots.d")
-    for name in ("state.sqlite", "state.sqlite-wal", "state.sqlite-shm"):  # the last key scan
+    for name in ("state.sqlite", "state.sqlite-wal", "state.sqlite-shm"):  # the last scans
         (state / name).unlink(missing_ok=True)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys,file_roots")
     assert ret.returncode == 0, ret

@@ -49,9 +49,10 @@ def _sync(cluster, *args):
 
 
 def _unlisted(cluster, daemon, since):
-    """The 'N director(ies) unlisted' of the roots reads logged after ``since`` (an offset)."""
+    """The 'N director(ies) unlisted' of the file_roots scans logged after ``since`` (an offset)."""
     text = cluster.log_since(daemon, since)
-    return [int(n) for n in re.findall(r"roots read at watcher token \d+, (\d+) director", text)]
+    return [int(n) for n in re.findall(r"file_roots read at journal token \d+, (\d+) director",
+                                       text)]
 
 
 def _tree(master):
