@@ -17,7 +17,6 @@ is seen however it was made.
 """
 
 import os
-import sqlite3
 import stat
 
 from salt_multimaster import manifest, store as state_store
@@ -136,11 +135,7 @@ class KeysSnapshot:
 
     def __init__(self, pki_dir, state_dir, rescan=False, watch=None):
         self.pki_dir, self.state_dir = pki_dir, state_dir
-        try:
-            self._read(rescan, watch)
-        except sqlite3.DatabaseError as exc:  # damaged under the scan: everything read again
-            state_store.set_aside(state_dir, exc)
-            self._read(rescan, None)
+        state_store.scanning(state_dir, self._read, rescan, watch)
 
     def _read(self, rescan, watch):
         store = state_store.Store(self.state_dir)
@@ -203,8 +198,7 @@ class KeysSnapshot:
                                      if part else None for bucket, part in new.items()})
         if todo is None:
             # every key dir listed: the hashes a peer's apply recorded are spent
-            store.db.execute("DELETE FROM hashes WHERE path LIKE ?",
-                             (os.path.join(self.pki_dir, "") + "%",))
+            store.forget_hashes(self.pki_dir)
         # what was remembered with the scan (remember()) holds while its keys are the same
         kept = {k: v for k, v in meta.items() if k not in _SCAN_FIELDS} if not changed else {}
         store.set_meta("keys", dict(kept, pki_dir=self.pki_dir, token=token,

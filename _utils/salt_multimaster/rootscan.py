@@ -19,7 +19,6 @@ paths; a sync's temporary files are never listed.
 
 import logging
 import os
-import sqlite3
 import stat
 
 from salt_multimaster import fsutil, manifest, replicate, store as state_store
@@ -71,11 +70,7 @@ class RootsScan:
         self.roots = {env: [r for r in roots if os.path.isdir(r)]
                       for env, roots in sorted((opts.get(cat) or {}).items())}
         self.ignore = manifest.Ignore.from_opts(opts)
-        try:
-            self._read(rescan, watch)
-        except sqlite3.DatabaseError as exc:  # damaged under the scan: everything read again
-            state_store.set_aside(state_dir, exc)
-            self._read(rescan, None)
+        state_store.scanning(state_dir, self._read, rescan, watch)
 
     def _read(self, rescan, watch):
         store = state_store.Store(self.state_dir)
@@ -130,6 +125,9 @@ class RootsScan:
                 walk = _Walk(self, db, env, root, rescan)
                 vouched = (dirty or {}).get(os.path.realpath(root))
                 walk.run(None if vouched is None else vouched)
+                if vouched is None:
+                    # every file statted: the hashes a peer's apply recorded are spent
+                    store.forget_hashes(walk.real_root)
                 writes.extend(walk.writes)
                 buckets |= walk.buckets
                 unlisted += len(set(walk.known) - walk.visited)

@@ -153,6 +153,31 @@ class Store:
         return None
 
 
+    def forget_hashes(self, tree):
+        """
+        Drop the hashes :func:`record_hashes` kept of files under the
+        directory ``tree``: a scan that statted every file there is past them.
+        """
+        top = os.path.join(tree, "")
+        # every path below: from "<tree>/" up to "<tree>0" ("0" follows "/"), byte-wise
+        self.db.execute("DELETE FROM hashes WHERE path >= ? AND path < ?",
+                        (top, top[:-1] + "0"))
+
+
+def scanning(state_dir, read, rescan, watch):
+    """
+    ``read(rescan, watch)``, a scanner's read of its tree into the store of
+    ``state_dir``; when the store proves damaged under it, the store is
+    moved aside (:func:`set_aside`) and everything is read again, without
+    the journal's word.
+    """
+    try:
+        read(rescan, watch)
+    except sqlite3.DatabaseError as exc:
+        set_aside(state_dir, exc)
+        read(rescan, None)
+
+
 def set_aside(state_dir, why):
     """
     The store of ``state_dir`` found damaged (``why``): logged once, moved

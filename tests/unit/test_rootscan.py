@@ -223,9 +223,13 @@ def test_the_files_a_peer_wrote_are_not_read_again(tmp_path, reads):
                   cache_path=path)
     app.commit()
     assert app.written == []
+    other = str(tmp_path / "Root" / "f0")  # a hash of another tree, byte-wise apart
+    store.record_hashes(str(state), [(other, os.stat(root / "f0"), "0" * 64)])
     opts = {"file_roots": {"base": [str(root)]}}
     scan = rootscan.RootsScan(opts, "file_roots", str(state))
     assert reads == [] and scan.parts == _full(opts, tmp_path)["file_roots"]["parts"]
+    kept = store.read(str(state), lambda saved: saved.query("SELECT path FROM hashes"))
+    assert kept == [(other,)]  # the tree's spent, the other's kept
 
 
 # ----- with the change journal ---------------------------------------------------------------
