@@ -194,8 +194,8 @@ class KeysSnapshot:
             store.db.executemany("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                                  put)
         new = {bucket: _part(store, bucket) for bucket in changed}
-        store.set_digests(CATEGORY, {bucket: manifest.bucket_digests({bucket: part})[bucket]
-                                     if part else None for bucket, part in new.items()})
+        store.set_digests(CATEGORY, {bucket: manifest.part_digest(part) if part else None
+                                     for bucket, part in new.items()})
         if todo is None:
             # every key dir listed: the hashes a peer's apply recorded are spent
             store.forget_hashes(self.pki_dir)
@@ -220,7 +220,7 @@ class KeysSnapshot:
             for name in names:
                 old.update((row[0], row) for row in store.db.execute(sql + " AND id = ?",
                                                                      (state, name)))
-        known = _unknown if rescan else store.known_hash
+        known = state_store.no_hash if rescan else store.known_hash
         seen, put, buckets = set(), [], set()
         for name, path, entry in _listing(self.pki_dir, state, names):
             st = _stat_key(state, name, path, entry, errors)
@@ -302,14 +302,10 @@ def keys_state(pki_dir, ids, errors=None):
         for state in manifest.KEY_DIRS:
             path = os.path.join(pki_dir, state, mid)
             st = _stat_key(state, mid, path, None, errors)
-            sha = None if st is None else _key_sha(state, mid, path, st, _unknown, errors)
+            sha = None if st is None else _key_sha(state, mid, path, st, state_store.no_hash, errors)
             if sha is not None:
                 ret[state][mid] = sha
     return ret
-
-
-def _unknown(_path, _st):
-    return None
 
 
 def saved_parts(state_dir, buckets):

@@ -98,7 +98,7 @@ def split(cat, man):
     return ret
 
 
-def _part_digest(part):
+def part_digest(part):
     """
     sha256 of a partial manifest (``{outer: {name: value}}``): per entry a
     line of its fields (outer, name, each value), each length-prefixed.
@@ -118,7 +118,7 @@ def _part_digest(part):
 
 def bucket_digests(parts):
     """``{bucket: digest}`` of :func:`split`'s parts."""
-    return {b: _part_digest(part) for b, part in parts.items()}
+    return {b: part_digest(part) for b, part in parts.items()}
 
 
 def differing(mine, theirs):

@@ -118,7 +118,7 @@ class RootsScan:
         if token is None:
             token = meta.get("token")  # no word: what changed since it still covers the next
         self.previous_safe = store.digests(f"{cat}:safe")
-        self.known_hash = (lambda path, st: None) if rescan else store.known_hash
+        self.known_hash = state_store.no_hash if rescan else store.known_hash
         writes, buckets, unlisted = [], set(), 0
         for env, roots in self.roots.items():
             for root in roots:
@@ -141,9 +141,8 @@ class RootsScan:
         raw, safe = {}, {}
         for bucket in buckets:
             part = _merged(_bucket_rows(db, cat, bucket), self.roots)[0].get(bucket)
-            raw[bucket] = manifest.bucket_digests({bucket: part})[bucket] if part else None
-            safe[bucket] = (manifest.bucket_digests({bucket: replicate.safe_tree(part)})[bucket]
-                            if part else None)
+            raw[bucket] = manifest.part_digest(part) if part else None
+            safe[bucket] = manifest.part_digest(replicate.safe_tree(part)) if part else None
         store.set_digests(cat, raw)
         store.set_digests(f"{cat}:safe", safe)
         store.set_meta(cat, {"config": config, "token": token})

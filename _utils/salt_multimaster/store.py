@@ -164,6 +164,11 @@ class Store:
                         (top, top[:-1] + "0"))
 
 
+def no_hash(_path, _st):
+    """:meth:`Store.known_hash` of a scan that reads every file again (``rescan``)."""
+    return None
+
+
 def scanning(state_dir, read, rescan, watch):
     """
     ``read(rescan, watch)``, a scanner's read of its tree into the store of
