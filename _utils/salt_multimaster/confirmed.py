@@ -2,22 +2,22 @@
 What a peer last confirmed to hold with the primary: the base of a
 three-way sync (the primary now, the peer now, the last state both held).
 
-Kept on the peer, next to its key history (``<minion cachedir>/multimaster``),
-per replicated category:
+Kept on the peer, in its state store (:mod:`salt_multimaster.store`,
+``<minion cachedir>/multimaster``), next to its key history, per
+replicated category:
 
 * ``minion_keys``, ``file_roots``, ``pillar_roots``: per bucket
   (:func:`manifest.bucket_of`), the bucket's part (``{state: {id: sha256}}``,
   ``{saltenv: {path: [size, mode, sha256]}}``) as the peer held it when it
-  equalled the primary's, and its digest (``""``: recorded empty).
-  ``confirmed-<category>.json`` names each bucket's file in
-  ``confirmed-<category>.d`` by its sha256 (:class:`manifest.BucketFiles`),
-  written after them;
-* ``master_config``: the sha256 of each replicated option's value
-  (``confirmed-master_config.json``): no value, no secret.
+  equalled the primary's, and its digest (``""``: recorded empty): the
+  ``confirmed`` table;
+* ``master_config``: the sha256 of each replicated option's value (the
+  ``confirmed:master_config`` meta entry): no value, no secret.
 
-Not a cache: every file is flushed.  A bucket whose file is lost or is not
-the one named is not recorded: the sync then plans it as before this record
-existed (the key history's conflicts), never as the peer's change.
+Not a cache: every save is flushed, in one transaction.  A record lost
+with a damaged store is none: the sync then plans its buckets as before
+this record existed (the key history's conflicts), never as the peer's
+change.
 
 A bucket is recorded whole where the peer's bucket, after an apply, has the
 primary's digest; an apply that leaves items of a recorded bucket as they
@@ -26,21 +26,16 @@ no-op sync writes nothing; a change sync writes the buckets it changed.
 """
 
 import json
-import os
 
-from salt_multimaster import manifest, protocol, statefile
+from salt_multimaster import manifest, protocol
+from salt_multimaster import store as state_store
 
-FORMAT = 1
 BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
 ALL_BUCKETS = tuple(str(b) for b in range(manifest.BUCKETS))
 #: the digest recorded for a bucket that held nothing
 EMPTY = ""
-#: buckets a save flushes one by one (fsync); past that one ``sync``
-RECORD_FSYNC_EACH = 8
-
-
-def _meta_path(state_dir, cat):
-    return os.path.join(state_dir, f"confirmed-{cat}.json")
+#: the meta entry of the record of the replicated options
+CONFIG = "confirmed:master_config"
 
 
 def part_digest(part):
@@ -59,6 +54,14 @@ def value_sha(key, value):
     return protocol.config_digest({key: value})
 
 
+def _load(text):
+    try:
+        part = json.loads(text)
+    except ValueError:
+        return None
+    return part if _valid_part(part) else None
+
+
 class Record:
     """
     The record of one bucketed category: ``digest`` (``{bucket: digest}``
@@ -68,14 +71,11 @@ class Record:
 
     def __init__(self, state_dir, cat):
         self.state_dir, self.cat = state_dir, cat
-        meta = manifest.read_json(_meta_path(state_dir, cat))
-        good = (isinstance(meta, dict) and meta.get("format") == FORMAT
-                and isinstance(meta.get("digest"), dict) and isinstance(meta.get("buckets"), dict))
-        self.digest = dict(meta["digest"]) if good else {}
-        self.files = manifest.BucketFiles(os.path.join(state_dir, f"confirmed-{cat}.d"),
-                                          meta["buckets"] if good else {}, _valid_part,
-                                          durable=True)
+        rows = state_store.read(state_dir, lambda found: found.query(
+            "SELECT bucket, digest FROM confirmed WHERE cat = ?", (cat,)))
+        self.digest = dict(rows or ())
         self.changed = {}
+        self._parts = {}
 
     def part(self, bucket):
         """The recorded part of ``bucket`` (``{}``: recorded empty); None: not recorded."""
@@ -83,7 +83,11 @@ class Record:
             return self.changed[bucket]
         if bucket not in self.digest:
             return None
-        return self.files.get(bucket)
+        if bucket not in self._parts:
+            rows = state_store.read(self.state_dir, lambda found: found.query(
+                "SELECT part FROM confirmed WHERE cat = ? AND bucket = ?", (self.cat, bucket)))
+            self._parts[bucket] = _load(rows[0][0]) if rows else None
+        return self._parts[bucket]
 
     def set(self, bucket, part, digest=None):
         """
@@ -92,7 +96,8 @@ class Record:
         """
         part = {outer: dict(inner) for outer, inner in part.items() if inner}
         digest = part_digest(part) if digest is None else digest
-        if self.digest.get(bucket) != digest or bucket in self.files.bad:
+        if self.digest.get(bucket) != digest or (
+                bucket in self._parts and self._parts[bucket] is None):
             self.changed[bucket] = part
 
     def drop(self, bucket):
@@ -100,29 +105,35 @@ class Record:
         if bucket in self.digest:
             self.changed[bucket] = None
 
+    def rows(self):
+        """The rows :meth:`save` writes: ``(bucket, digest, part JSON)``, None to delete."""
+        return [(bucket, None if part is None else part_digest(part),
+                 None if part is None else json.dumps(part, sort_keys=True))
+                for bucket, part in sorted(self.changed.items())]
+
     def save(self):
-        """
-        Write the changed buckets, then the file naming them.  Up to
-        :data:`RECORD_FSYNC_EACH` buckets are flushed one by one; more (a
-        first sync) with one ``sync`` of the host's filesystems.
-        """
+        """Write the changed buckets, in one flushed transaction."""
         if not self.changed:
             return
-        many = len(self.changed) > RECORD_FSYNC_EACH
-        self.files.durable = not many
-        self.files.save({b: part or {} for b, part in self.changed.items()})
-        if many:
-            os.sync()
-        for bucket, part in self.changed.items():
-            if part is None:
+        rows = self.rows()
+
+        def write(found):
+            for bucket, digest, text in rows:
+                if text is None:
+                    found.db.execute("DELETE FROM confirmed WHERE cat = ? AND bucket = ?",
+                                     (self.cat, bucket))
+                else:
+                    found.db.execute("INSERT OR REPLACE INTO confirmed VALUES (?, ?, ?, ?)",
+                                     (self.cat, bucket, digest, text))
+
+        state_store.record(self.state_dir, write, f"the {self.cat} confirmed")
+        for bucket, digest, _text in rows:
+            if digest is None:
                 self.digest.pop(bucket, None)
             else:
-                self.digest[bucket] = part_digest(part)
+                self.digest[bucket] = digest
+        self._parts.update(self.changed)
         self.changed = {}
-        statefile.write(_meta_path(self.state_dir, self.cat), json.dumps({
-            "format": FORMAT, "digest": self.digest,
-            "buckets": {b: sha for b, sha in self.files.shas.items() if b in self.digest}}),
-            mode=0o600)
 
 
 def changed_items(current, base):
@@ -293,16 +304,14 @@ def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, k
 # ---------------------------------------------------------------------------
 def config_record(state_dir):
     """``{option: sha256}`` recorded for the replicated options (``{}``: none)."""
-    data = manifest.read_json(_meta_path(state_dir, "master_config"))
-    if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(
-            data.get("values"), dict):
-        return data["values"]
-    return {}
+    data = state_store.read(state_dir, lambda found: found.meta(CONFIG))
+    return data if isinstance(data, dict) else {}
 
 
 def forget_config(state_dir):
     """Forget what the peer confirmed of the replicated options (its drop-in was damaged)."""
-    statefile.remove(_meta_path(state_dir, "master_config"))
+    state_store.record(state_dir, lambda found: found.db.execute(
+        "DELETE FROM meta WHERE name = ?", (CONFIG,)), "the options forgotten")
 
 
 def record_config(state_dir, values, primary_shas):
@@ -316,5 +325,5 @@ def record_config(state_dir, values, primary_shas):
         if key in values and value_sha(key, values[key]) == sha:
             new[key] = sha
     if new != old:
-        statefile.write(_meta_path(state_dir, "master_config"),
-                        json.dumps({"format": FORMAT, "values": new}), mode=0o600)
+        state_store.record(state_dir, lambda found: found.set_meta(CONFIG, new),
+                           "the options confirmed")

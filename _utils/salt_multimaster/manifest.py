@@ -8,7 +8,6 @@ read them are :mod:`salt_multimaster.keyscan` and
 
 import fnmatch
 import hashlib
-import json
 import logging
 import os
 import re
@@ -273,79 +272,3 @@ def read_json(path):
     damaged (:func:`statefile.load`: logged, what it vouched for read again).
     """
     return statefile.load(path, "what it vouched for is read again")
-
-
-class BucketFiles:
-    """
-    A cache of bucket parts (``{bucket: data}``), one JSON file per bucket
-    in ``directory``: a change reads and writes the files of its buckets
-    only.  Its owner saves ``shas`` (``{bucket: sha256 of its file}``, which
-    :meth:`save` keeps up to date) after the files, and gives them back: a
-    file is read on first use and used only when it is the one named there
-    (and ``valid(data)``); one lost, torn, stale or altered reads as None.
-    What was read stays: :meth:`save` reads the files it replaces first, so
-    they are still the answer for the ``shas`` given.
-    ``durable``: not a cache (the files flushed to disk, as
-    :func:`fsutil.atomic_write` does by default).
-    """
-
-    def __init__(self, directory, shas, valid, durable=False):
-        self.dir = directory
-        self.durable = durable  # each file flushed before and after its rename
-        self.shas = dict(shas) if isinstance(shas, dict) else {}
-        self.bad = set()  # buckets whose file did not match
-        self._given = dict(self.shas)
-        self._valid = valid
-        self._read = {}
-
-    def _path(self, bucket):
-        return os.path.join(self.dir, f"{bucket}.json")
-
-    def _text(self, bucket):
-        """The bytes of ``bucket``'s file when it is the one named, else None."""
-        path = self._path(bucket)
-        try:
-            text = statefile.read_bytes(path)
-        except statefile.Damaged as exc:
-            statefile.notice(path, exc.why, "not used: what it holds is read again")
-            return None
-        if text is None or hashlib.sha256(text).hexdigest() != self._given[bucket]:
-            statefile.notice(path, "missing" if text is None else "not the file named (torn, "
-                             "altered or of another save)", "not used: read again")
-            return None
-        return text
-
-    def get(self, bucket):
-        """One bucket's data (``{}``: an empty bucket), None when its file does not match."""
-        if bucket not in self._read:
-            want = self._given.get(bucket)
-            data = {}
-            if want is not None:
-                data = None
-                text = self._text(bucket)
-                try:
-                    if text is not None:
-                        data = json.loads(text).get("bucket")
-                except (ValueError, AttributeError):
-                    pass
-                if not self._valid(data):
-                    data = None
-                    self.bad.add(bucket)
-            self._read[bucket] = data
-        return self._read[bucket]
-
-    def save(self, changed):
-        """Write the buckets of ``changed`` (``{bucket: data}``); an empty one is removed."""
-        statefile.makedirs(self.dir, os.path.dirname(self.dir))
-        for bucket, data in changed.items():
-            self.get(bucket)
-            data = {outer: inner for outer, inner in data.items() if inner}
-            if data:
-                text = json.dumps({"bucket": data}).encode("utf-8")
-                statefile.write(self._path(bucket), text, mode=0o600, durable=self.durable)
-                self.shas[bucket] = hashlib.sha256(text).hexdigest()
-            else:
-                statefile.remove(self._path(bucket))
-                self.shas.pop(bucket, None)
-
-

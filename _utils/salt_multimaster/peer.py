@@ -15,7 +15,6 @@ import concurrent.futures
 import datetime
 import functools
 import hashlib
-import json
 import logging
 import os
 import time
@@ -28,10 +27,10 @@ from salt_multimaster import (backup, compat, confirmed, daemon, finger, fsutil,
 
 log = logging.getLogger(__name__)
 
-#: the key history (:class:`KeyHistory`): the names of its bucket files, and those files
-HISTORY_NAME = "minion_keys_history.json"
-HISTORY_BUCKETS = "minion_keys_history.d"
-HISTORY_FORMAT = 2
+#: the meta entries of the key history (:class:`KeyHistory`): its generation
+#: (one more at each change) and the buckets found recorded (:func:`record_history`)
+HISTORY = "history"
+RECORDED = "history_recorded"
 
 # Errors a peer sends back per category, at most (Salt trims larger returns).
 MAX_REPORTED = 100
@@ -101,69 +100,71 @@ def record_after_return(state_dir, work, delay=RECORD_DELAY, sleep=time.sleep):
 # ---------------------------------------------------------------------------
 # The key history: ids this peer received from the primary
 # ---------------------------------------------------------------------------
-def history_path(state_dir):
-    return os.path.join(state_dir, HISTORY_NAME)
-
-
-def _valid_history(meta):
-    """The key history's names, in this format."""
-    return isinstance(meta, dict) and meta.get("format") == HISTORY_FORMAT and isinstance(
-        meta.get("buckets"), dict)
-
-
-def _valid_ids(data):
-    return isinstance(data, dict) and set(data) <= {"ids"} and isinstance(
-        data.get("ids", []), list) and all(isinstance(mid, str) for mid in data.get("ids", []))
+def _query(state_dir, sql, args=()):
+    """The rows of ``sql`` on the state store of ``state_dir`` (none: no store, or damaged)."""
+    return store.read(state_dir, lambda found: found.query(sql, args)) or []
 
 
 class KeyHistory:
     """
-    The ids this peer received from the primary, one file per bucket of
-    the ids (:class:`manifest.BucketFiles` in :data:`HISTORY_BUCKETS`),
-    named with their sha256 in :data:`HISTORY_NAME`, written after them:
-    an apply that writes one key reads and writes one bucket, not the ids
-    of every key.  A bucket file lost or damaged reads as no id received
-    (its removals on the primary then read as conflicts here, never as
-    deletions) until the history record finds its keys equal again.
+    The ids this peer received from the primary (the ``history`` table of
+    its state store, :mod:`salt_multimaster.store`): an apply that writes
+    one key reads and writes the ids of its bucket, not the ids of every
+    key.  Lost with a damaged store, it reads as no id received (a removal
+    on the primary then reads as a conflict here, never as a deletion)
+    until the history record finds the keys equal again.
     """
 
     def __init__(self, state_dir):
-        meta = statefile.load(history_path(state_dir), "the ids it names read as not received "
-                              "from the primary (a removal there reads as a conflict) until "
-                              "the next sync records them again", valid=_valid_history)
         self.state_dir = state_dir
-        # not a cache: flushed
-        self.files = manifest.BucketFiles(os.path.join(state_dir, HISTORY_BUCKETS),
-                                          meta.get("buckets") if meta else {},
-                                          _valid_ids, durable=True)
         self.changed = {}
-
-    def buckets(self):
-        """The buckets that hold an id."""
-        return {b for b in set(self.files.shas) | set(self.changed) if self.ids(b)}
+        self._ids = {}
 
     def ids(self, bucket):
         """The ids of ``bucket`` received (a set)."""
         if bucket in self.changed:
             return set(self.changed[bucket])
-        return set((self.files.get(bucket) or {}).get("ids", ()))
+        if bucket not in self._ids:
+            self._ids[bucket] = {mid for (mid,) in _query(
+                self.state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
+        return set(self._ids[bucket])
 
     def all(self):
         """Every id received (a set)."""
-        return {mid for bucket in self.buckets() for mid in self.ids(bucket)}
+        held = {mid for (mid,) in _query(self.state_dir, "SELECT id FROM history")}
+        for bucket, ids in self.changed.items():
+            held = {m for m in held if manifest.bucket_of(m) != bucket} | ids
+        return held
 
     def set_ids(self, bucket, ids):
         """Make ``ids`` the ids of ``bucket`` received (saved by :meth:`save`)."""
         if set(ids) != self.ids(bucket):
             self.changed[bucket] = set(ids)
 
-    def save(self):
-        """Write the changed buckets, then their names."""
-        if not self.changed:
+    def save(self, recorded=None):
+        """
+        Write the changed buckets (the history's generation one more), and
+        ``recorded`` (``{bucket: digest}``, :func:`record_history`) at the
+        generation saved, in one flushed transaction.
+        """
+        if not self.changed and recorded is None:
             return
-        self.files.save({b: {"ids": sorted(ids)} for b, ids in self.changed.items()})
-        statefile.write(history_path(self.state_dir),
-                        json.dumps({"format": HISTORY_FORMAT, "buckets": self.files.shas}))
+        changed = self.changed
+
+        def write(found):
+            generation = found.meta(HISTORY, 0)
+            if changed:
+                generation = (generation if isinstance(generation, int) else 0) + 1
+                for bucket, ids in changed.items():
+                    found.db.execute("DELETE FROM history WHERE bucket = ?", (bucket,))
+                    found.db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
+                                         [(mid, bucket) for mid in sorted(ids)])
+                found.set_meta(HISTORY, generation)
+            if recorded is not None:
+                found.set_meta(RECORDED, {"generation": generation, "buckets": recorded})
+
+        store.record(self.state_dir, write, "the ids received")
+        self._ids.update(changed)
         self.changed = {}
 
 
@@ -172,12 +173,9 @@ def read_history(state_dir):
     return sorted(KeyHistory(state_dir).all())
 
 
-def _history_stamp(state_dir):
-    try:
-        st = os.stat(history_path(state_dir))
-    except OSError:
-        return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
+def _generation(state_dir):
+    """The key history's generation (None: never saved)."""
+    return store.read(state_dir, lambda found: found.meta(HISTORY))
 
 
 def update_history(state_dir, ops, report):
@@ -196,34 +194,23 @@ def update_history(state_dir, ops, report):
         ids = history.ids(bucket)
         history.set_ids(bucket, (ids | {m for m in added if manifest.bucket_of(m) == bucket})
                         - dropped)
-    history.save()
     # the buckets of the ids this apply touched are recorded no more
     touched = {manifest.bucket_of(op["id"]) for op in ops}
-    _save_recorded(state_dir, {b: d for b, d in recorded.items() if b not in touched})
-
-
-# What the last record_history found recorded: ``{bucket: digest}`` of the
-# buckets every id of which, at that digest, is in the key history, valid
-# while the history file is the one it was saved with (its stamp).
-RECORDED_NAME = "minion_keys_history.recorded.json"
+    history.save({b: d for b, d in recorded.items() if b not in touched})
 
 
 def _recorded(state_dir):
-    """``{bucket: digest}`` of the buckets whose ids are all in the key history, as last recorded."""
-    data = statefile.load(os.path.join(state_dir, RECORDED_NAME),
-                          "every bucket's history is checked again", default={},
-                          valid=lambda d: isinstance(d, dict)
-                          and isinstance(d.get("buckets", {}), dict))
-    if data.get("stamp") != _history_stamp(state_dir):
+    """
+    ``{bucket: digest}`` of the buckets every id of which, at that digest,
+    is in the key history, as the last :func:`record_history` found them
+    (valid at the history's generation it saved them with).
+    """
+    got = store.read(state_dir, lambda found: (found.meta(HISTORY), found.meta(RECORDED)))
+    generation, data = got or (None, None)
+    if not isinstance(data, dict) or data.get("generation", 0) != (generation or 0) \
+            or not isinstance(data.get("buckets"), dict):
         return {}
-    return data.get("buckets") or {}
-
-
-def _save_recorded(state_dir, buckets):
-    # a cache: lost or stale (another history), every bucket is checked again
-    statefile.write(os.path.join(state_dir, RECORDED_NAME),
-                    json.dumps({"stamp": _history_stamp(state_dir), "buckets": buckets}),
-                    durable=False)
+    return data["buckets"]
 
 
 def _journal(mopts):
@@ -252,10 +239,9 @@ def record_history(mopts, state_dir, primary_digest):
         history = KeyHistory(state_dir)
         for bucket, ids in held.items():
             history.set_ids(bucket, history.ids(bucket) | ids)
-        history.save()
         recorded.update({b: snap.digest[b] for b in todo})
-        _save_recorded(state_dir, recorded)
-    snap.remember(history=_history_stamp(state_dir))
+        history.save(recorded)
+    snap.remember(history=_generation(state_dir))
 
 
 # ---------------------------------------------------------------------------
@@ -320,7 +306,7 @@ def keys_inventory(mopts, state_dir, digests, rescan=False, journal=None):
             "manifest": manifest.merge(snap.parts, diff) if diff else {},
             "counts": snap.counts,
             "history": _history_of(state_dir, wanted),
-            "history_recorded": snap.meta.get("history") == _history_stamp(state_dir),
+            "history_recorded": snap.meta.get("history") == _generation(state_dir),
             "record": confirmed.since(state_dir, "minion_keys", snap.digest, diff,
                                       functools.partial(_part, snap.parts))}
 

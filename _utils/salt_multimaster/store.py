@@ -23,13 +23,26 @@ Tables (schema :data:`SCHEMA`, in SQLite's ``user_version``):
     peer's apply wrote, so that the next scan does not read them again.
 ``meta``
     ``name -> JSON``: what else a scan keeps (the journal's token, the
-    errors of the key dirs, the roots and ignore rules scanned).
+    errors of the key dirs, the roots and ignore rules scanned), and a
+    peer's record of the replicated options (``confirmed:master_config``).
 
-It is a cache of the disk: written without a flush of its own (a crash
-may lose the last scan, never the data), and a store that cannot be
-opened, of another schema version, or damaged, is moved aside
+A peer's records (:mod:`salt_multimaster.confirmed`, the key history of
+:mod:`salt_multimaster.peer`):
+
+``confirmed``
+    ``(category, bucket) -> digest, part (JSON)``: each bucket as the peer
+    held it when it equalled the primary's.
+``history``
+    ``id -> bucket``: the ids this peer received from the primary.
+
+The scans' rows are a cache of the disk, written without a flush of
+their own (a crash may lose the last scan, never the data); the peer's
+records are flushed (:meth:`Store.write` ``durable``).  A store that
+cannot be opened, of another schema version, or damaged, is moved aside
 (``state.sqlite.damaged-<time>``) and rebuilt empty: the next scan reads
-every key and file again.  Never trusted, never the only copy of anything.
+every key and file again, and a lost record reads as none (a bucket is
+planned as before it was recorded, an id as not received: a removal on
+the primary as a conflict, never as a deletion).  Never trusted.
 """
 
 import contextlib
@@ -59,6 +72,10 @@ CREATE TABLE digests (cat TEXT NOT NULL, bucket TEXT NOT NULL, digest TEXT NOT N
 CREATE TABLE hashes (path TEXT PRIMARY KEY, ino INTEGER, size INTEGER, mtime_ns INTEGER,
                      ctime_ns INTEGER, sha TEXT NOT NULL);
 CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE confirmed (cat TEXT NOT NULL, bucket TEXT NOT NULL, digest TEXT NOT NULL,
+                        part TEXT NOT NULL, PRIMARY KEY (cat, bucket));
+CREATE TABLE history (id TEXT PRIMARY KEY, bucket TEXT NOT NULL);
+CREATE INDEX history_bucket ON history (bucket);
 """
 
 #: how long a writer waits for another process's transaction (seconds)
@@ -106,15 +123,26 @@ class Store:
         self.db.close()
 
     @contextlib.contextmanager
-    def write(self):
-        """A transaction (``with store.write():``), begun at once, rolled back on an error."""
-        self.db.execute("BEGIN IMMEDIATE")
+    def write(self, durable=False):
+        """
+        A transaction (``with store.write():``), begun at once, rolled back
+        on an error; ``durable``: flushed to disk at its commit (a record,
+        not a cache).
+        """
+        if durable:
+            self.db.execute("PRAGMA synchronous=FULL")
         try:
-            yield self
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self.db.execute("COMMIT")
+        finally:
+            if durable:
+                with contextlib.suppress(sqlite3.Error):
+                    self.db.execute("PRAGMA synchronous=NORMAL")
 
     def query(self, sql, args=()):
         return self.db.execute(sql, args).fetchall()
@@ -214,6 +242,34 @@ def read(state_dir, query):
         return None
     finally:
         found.close()
+
+
+def record(state_dir, write, what):
+    """
+    ``write(store)`` in one flushed transaction on the store of
+    ``state_dir`` (a peer's record).  A store found damaged is moved aside
+    (:func:`set_aside`) and ``write`` runs once more on the new one: the
+    rows it writes, and no other (what the old store held reads as not
+    recorded); a store that cannot be written at all is logged (``what``
+    not recorded).
+    """
+    for attempt in (1, 2):
+        try:
+            found = Store(state_dir)
+        except (OSError, sqlite3.DatabaseError, statefile.Damaged) as exc:
+            statefile.notice(os.path.join(state_dir, NAME), str(exc), f"{what} not recorded")
+            return
+        try:
+            with found.write(durable=True):
+                write(found)
+            return
+        except sqlite3.DatabaseError as exc:
+            if attempt == 1:
+                set_aside(state_dir, exc)
+            else:
+                statefile.notice(found.path, str(exc), f"{what} not recorded")
+        finally:
+            found.close()
 
 
 def record_hashes(state_dir, entries):

@@ -126,7 +126,17 @@ def _failed(cluster, out, err):
     """A failed sync's output with the primary's and the peer minion's log tails (a string)."""
     if isinstance(out, bytes):
         out, err = out.decode(errors="replace"), err.decode(errors="replace")
-    return "\n".join([out, err[-3000:], "primary log:", *log_tail(cluster.primary),
+    try:
+        data = json.loads(out)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        # the lists of a bulk sync run to thousands of names: their lengths
+        out = json.dumps({pid: {k: ({kind: len(v) if isinstance(v, list) else v
+                                    for kind, v in val.items()} if isinstance(val, dict) else val)
+                                for k, val in rep.items()} if isinstance(rep, dict) else rep
+                          for pid, rep in data.items()}, indent=1)
+    return "\n".join([out[-6000:], err[-3000:], "primary log:", *log_tail(cluster.primary),
                       "peer minion log:", *log_tail(cluster.peer_minions[0])])
 
 

@@ -1,13 +1,14 @@
 """Unit tests of the replication core: plans, manifests, sealing, safe writes."""
 
 import hashlib
-import json
 import os
+import sqlite3
 import stat
 
 import pytest
 
-from salt_multimaster import fsutil, keyscan, manifest, protocol, replicate, rootscan, seal
+from salt_multimaster import (fsutil, keyscan, manifest, protocol, replicate, rootscan, seal,
+                              store)
 from tests.support.cluster import gen_keypair
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -279,7 +280,7 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
     """
     peer.record_history: every id of a bucket equal to the primary's is in
     the key history; a bucket recorded at its digest, untouched by an apply
-    and with the history file unchanged since, is not read again.
+    and with the history unchanged since (its generation), is not read again.
     """
     from salt_multimaster import peer
 
@@ -313,7 +314,8 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
                         {"updated": [], "removed": ["minions/m3"]})
     assert "m3" not in peer.read_history(state)
     assert record() == [manifest.bucket_of("m3")] and "m3" in peer.read_history(state)
-    # the history rewritten by anyone else: every bucket is checked again
-    with open(peer.history_path(state), "w", encoding="utf-8") as fh:
-        json.dump({"format": 1, "buckets": {}}, fh)  # not this release's format
+    # the history rewritten by anyone else (another generation than the
+    # one the record was found at): every bucket is checked again
+    with sqlite3.connect(os.path.join(state, store.NAME)) as db:
+        db.execute("UPDATE meta SET value = '99' WHERE name = ?", (peer.HISTORY,))
     assert record() == every and len(peer.read_history(state)) == 41

@@ -1,13 +1,16 @@
 """
 The key history of a peer (peer.KeyHistory): the ids it received from the
-primary, one file per bucket, so that an apply of one key reads and writes
-one bucket of it.
+primary, in the ``history`` table of its state store, so that an apply of
+one key reads and writes the ids of one bucket.
 """
-import json
-import os
+import pathlib
 import random
+import sqlite3
 
-from salt_multimaster import fsutil, manifest, peer
+import pytest
+
+from salt_multimaster import manifest, peer, store
+from tests.support.store import DAMAGES, damage
 
 
 def _apply(state, added=(), removed=()):
@@ -18,36 +21,44 @@ def _apply(state, added=(), removed=()):
                                      "removed": [f"minions/{m}" for m in removed]})
 
 
+def _rows(state):
+    """``[(id, bucket)]`` of the history table, and the history's generation."""
+    with sqlite3.connect(pathlib.Path(state) / store.NAME) as db:
+        rows = db.execute("SELECT id, bucket FROM history ORDER BY id").fetchall()
+        generation = db.execute("SELECT value FROM meta WHERE name = ?",
+                                (peer.HISTORY,)).fetchall()
+    return rows, generation
+
+
 def _spy(monkeypatch):
-    """``(read, written)``: the history bucket files read, and every file written."""
-    read, written = [], []
-    real_get, real_write = manifest.BucketFiles.get, fsutil.atomic_write
+    """The buckets of the history read by bucket (``[bucket]``), and whether all of it was."""
+    read = []
+    real = peer._query  # pylint: disable=protected-access
 
-    def get(self, bucket):
-        if self.dir.endswith(peer.HISTORY_BUCKETS) and bucket not in self._read:
-            read.append(bucket)
-        return real_get(self, bucket)
+    def query(state_dir, sql, args=()):
+        if "FROM history" in sql:
+            read.append(args[0] if args else "every")
+        return real(state_dir, sql, args)
 
-    monkeypatch.setattr(manifest.BucketFiles, "get", get)
-    monkeypatch.setattr(fsutil, "atomic_write",
-                        lambda path, *a, **k: written.append(os.path.basename(path))
-                        or real_write(path, *a, **k))
-    return read, written
+    monkeypatch.setattr(peer, "_query", query)
+    return read
 
 
 def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path, monkeypatch):
     state = str(tmp_path)
     _apply(state, added=[f"m{i}" for i in range(400)])
     assert peer.read_history(state) == sorted(f"m{i}" for i in range(400))
-    read, written = _spy(monkeypatch)
+    before, generation = _rows(state)
+    read = _spy(monkeypatch)
     _apply(state, added=["new1"])
     bucket = manifest.bucket_of("new1")
     assert read == [bucket]
-    assert sorted(written) == sorted([f"{bucket}.json", peer.HISTORY_NAME, peer.RECORDED_NAME])
+    after, generation_after = _rows(state)
+    assert sorted(set(after) - set(before)) == [("new1", bucket)] and set(before) <= set(after)
+    assert int(generation_after[0][0]) == int(generation[0][0]) + 1
     read.clear()
-    written.clear()
     _apply(state, removed=["m7"])
-    assert read == [manifest.bucket_of("m7")] and f"{manifest.bucket_of('m7')}.json" in written
+    assert read == [manifest.bucket_of("m7")]
     assert peer.read_history(state) == sorted({f"m{i}" for i in range(400)} - {"m7"} | {"new1"})
     # the inventory's history of one bucket reads that bucket only
     read.clear()
@@ -55,36 +66,22 @@ def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path
         m for m in [f"m{i}" for i in range(400)] + ["new1"]
         if manifest.bucket_of(m) == bucket and m != "m7")
     assert read == [bucket]
+    # an apply that changes no id of the history writes none of it
+    rows, generation = _rows(state)
+    _apply(state, added=["new1"])
+    assert _rows(state) == (rows, generation)
 
 
-def test_a_list_history_is_damaged_and_reads_as_no_id_received(tmp_path):
-    """Not this release's format: no id received (removals read as conflicts), never trusted."""
-    state = str(tmp_path)
-    with open(peer.history_path(state), "w", encoding="utf-8") as fh:
-        json.dump([f"web{i}" for i in range(50)], fh)
-    assert peer.read_history(state) == []
-    _apply(state, added=["db1"])
-    assert manifest.read_json(peer.history_path(state))["format"] == peer.HISTORY_FORMAT
-    assert peer.read_history(state) == ["db1"]
-
-
-def test_a_damaged_history_bucket_reads_as_no_id_received_and_the_others_stay(tmp_path):
-    state = str(tmp_path)
-    ids = [f"web{i}" for i in range(200)]
-    _apply(state, added=ids)
-    victim = manifest.bucket_of("web1")
-    path = os.path.join(state, peer.HISTORY_BUCKETS, f"{victim}.json")
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"bucket": {"ids": ["web1", "intruder"]}}, fh)  # not the file named
-    expect = sorted(m for m in ids if manifest.bucket_of(m) != victim)
-    assert peer.read_history(state) == expect
-    # another bucket's apply keeps the damaged one out, and names only what it wrote
-    other = next(m for m in ids if manifest.bucket_of(m) != victim)
-    _apply(state, removed=[other])
-    assert peer.read_history(state) == [m for m in expect if m != other]
-    # the damaged bucket's ids come back with the next apply that writes them
-    _apply(state, added=["web1"])
-    assert "web1" in peer.read_history(state) and "intruder" not in peer.read_history(state)
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_store_reads_as_no_id_received_then_is_rebuilt(tmp_path, how):
+    """Damaged: no id received (removals read as conflicts), never trusted; then rebuilt."""
+    state = tmp_path
+    _apply(str(state), added=[f"web{i}" for i in range(50)])
+    damage(state, how, table="history")
+    assert peer.read_history(str(state)) == []
+    _apply(str(state), added=["db1"])
+    _apply(str(state), added=["db2"])
+    assert peer.read_history(str(state)) == ["db1", "db2"]
 
 
 def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
@@ -97,6 +94,5 @@ def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
         _apply(state, added=sorted(added), removed=sorted(removed))
         model = (model | added) - removed
         assert peer.read_history(state) == sorted(model)
-    every = {manifest.bucket_of(m) for m in model}
-    assert sorted(os.listdir(os.path.join(state, peer.HISTORY_BUCKETS))) == sorted(
-        f"{b}.json" for b in every)
+    rows, _ = _rows(state)
+    assert rows == sorted((m, manifest.bucket_of(m)) for m in model)

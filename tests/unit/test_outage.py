@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from salt_multimaster import (confirmed, failback, fsutil, manifest, outage, peer, protocol, report,
+from salt_multimaster import (confirmed, failback, manifest, outage, peer, protocol, report,
                               rounds, seal, sync)
 from tests.support.cluster import gen_keypair
 from tests.unit import test_rounds
@@ -132,14 +132,15 @@ def test_plan_keys_forces_the_ids_kept_only():
 # The peer's record
 # ---------------------------------------------------------------------------
 def _written(monkeypatch):
+    """``[(category, bucket)]`` of the peer's record as it is written, bucket by bucket."""
     names = []
-    real = fsutil.atomic_write
+    real = confirmed.Record.save
 
-    def spy(path, *args, **kwargs):
-        names.append(os.path.relpath(path, os.path.dirname(os.path.dirname(path))))
-        return real(path, *args, **kwargs)
+    def spy(self):
+        names.extend((self.cat, bucket) for bucket in sorted(self.changed))
+        return real(self)
 
-    monkeypatch.setattr(fsutil, "atomic_write", spy)
+    monkeypatch.setattr(confirmed.Record, "save", spy)
     return names
 
 
@@ -166,8 +167,7 @@ def test_the_record_takes_a_bucket_whole_when_it_equals_the_primarys(tmp_path, m
     after = dict(digest, **{other: confirmed.part_digest({"minions": {mid: SHA["b"]}})})
     confirmed.record_apply(state, "minion_keys", done, after, digest,
                            lambda b: held if b == bucket else {})
-    assert sorted(written) == sorted([f"confirmed-minion_keys.d/{other}.json",
-                                      f"{os.path.basename(state)}/confirmed-minion_keys.json"])
+    assert written == [("minion_keys", other)]
     assert confirmed.Record(state, "minion_keys").part(other) == {"minions": {mid: SHA["b"]}}
 
 
@@ -317,16 +317,15 @@ def test_a_noop_sync_writes_no_record_and_a_change_sync_only_its_buckets(fake, m
     written = _written(monkeypatch)
     res, published = _sync(fake)
     assert published == ["inventory"]
-    assert not [w for w in written if "confirmed" in w], written
+    assert written == []
     _write(f"{tmp}/m1/srv/one.sls", "one: 1\n")
     res, published = _sync(fake)
     assert published == ["apply"] and res["file_roots"]["added"] == ["base:one.sls"]
     bucket = manifest.bucket_of("base/one.sls")
-    assert sorted(w for w in written if "confirmed" in w) == [
-        f"confirmed-file_roots.d/{bucket}.json", "m2-minion-state/confirmed-file_roots.json"]
+    assert written == [("file_roots", bucket)]
     del written[:]
     res, published = _sync(fake)
-    assert published == ["inventory"] and not [w for w in written if "confirmed" in w]
+    assert published == ["inventory"] and written == []
 
 
 def _files(root):
