@@ -23,8 +23,10 @@ Tables (schema :data:`SCHEMA`, in SQLite's ``user_version``):
     peer's apply wrote, so that the next scan does not read them again.
 ``meta``
     ``name -> JSON``: what else a scan keeps (the journal's token, the
-    errors of the key dirs, the roots and ignore rules scanned), and a
-    peer's record of the replicated options (``confirmed:master_config``).
+    errors of the key dirs, the roots and ignore rules scanned); on the
+    primary what each peer was last confirmed to hold (``peer:<id>``, the
+    digests a conditional apply expects), on a peer its record of the
+    replicated options (``confirmed:master_config``).
 
 A peer's records (:mod:`salt_multimaster.confirmed`, the key history of
 :mod:`salt_multimaster.peer`):
@@ -244,10 +246,10 @@ def read(state_dir, query):
         found.close()
 
 
-def record(state_dir, write, what):
+def record(state_dir, write, what, durable=True):
     """
-    ``write(store)`` in one flushed transaction on the store of
-    ``state_dir`` (a peer's record).  A store found damaged is moved aside
+    ``write(store)`` in one transaction on the store of ``state_dir``,
+    flushed (``durable``: a peer's record).  A store found damaged is moved aside
     (:func:`set_aside`) and ``write`` runs once more on the new one: the
     rows it writes, and no other (what the old store held reads as not
     recorded); a store that cannot be written at all is logged (``what``
@@ -260,7 +262,7 @@ def record(state_dir, write, what):
             statefile.notice(os.path.join(state_dir, NAME), str(exc), f"{what} not recorded")
             return
         try:
-            with found.write(durable=True):
+            with found.write(durable=durable):
                 write(found)
             return
         except sqlite3.DatabaseError as exc:

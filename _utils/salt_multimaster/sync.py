@@ -21,6 +21,7 @@ import time
 
 from salt_multimaster import (daemon, grants, keyscan, layout, manifest, outage, protocol,
                               replicate, rootscan, seal, statefile, watch)
+from salt_multimaster import store as state_store
 
 log = logging.getLogger(__name__)
 
@@ -688,8 +689,8 @@ def peer_errors(opts, peers):
 # ---------------------------------------------------------------------------
 # What each peer was last confirmed to hold: a change sync in one publish
 # ---------------------------------------------------------------------------
-def _memory_path(opts, peer):
-    return os.path.join(layout.state_dir(opts), "peers", f"{peer}.json")
+def _memory_name(peer):
+    return f"peer:{peer}"
 
 
 def _valid_memory(held):
@@ -702,15 +703,17 @@ def _valid_memory(held):
 
 def _memory(opts, peer):
     """What ``peer`` was last confirmed to hold, as saved: a dict, maybe empty."""
-    # damaged: nothing known, the peer is asked (a second round)
-    return statefile.load(_memory_path(opts, peer), "what the peer holds is asked again",
-                          default={}, valid=_valid_memory)
+    # none, or damaged: nothing known, the peer is asked (a second round)
+    held = state_store.read(layout.state_dir(opts),
+                            lambda found: found.meta(_memory_name(peer)))
+    return held if _valid_memory(held) else {}
 
 
 def _save_memory(opts, peer, held):
     # a stale or lost record costs a second round: the apply is conditional on it
-    statefile.write(_memory_path(opts, peer), json.dumps(held), durable=False,
-                    root=layout.state_dir(opts))
+    state_store.record(layout.state_dir(opts),
+                       lambda found: found.set_meta(_memory_name(peer), held),
+                       f"what {peer} holds", durable=False)
 
 
 def remembered(opts, peer, categories):

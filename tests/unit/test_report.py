@@ -93,8 +93,8 @@ def test_restore_rows():
 def test_sync_rows_name_the_damaged_state_files_rebuilt():
     ret = {"m2": dict(_res(), result=True,
                       rebuilt=["/c/multimaster/state.sqlite: not a file"],
-                      primary_rebuilt=["/m/multimaster/peers/m2.json: a directory"]),
+                      primary_rebuilt=["/m/multimaster/state.sqlite: a directory"]),
            "retcode": 0}
     assert report.sync_rows(ret)["m2"].splitlines()[-2:] == [
         "  damaged on the peer, rebuilt: /c/multimaster/state.sqlite: not a file",
-        "  damaged on the primary, rebuilt: /m/multimaster/peers/m2.json: a directory"]
+        "  damaged on the primary, rebuilt: /m/multimaster/state.sqlite: a directory"]
