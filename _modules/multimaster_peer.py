@@ -9,10 +9,11 @@ option ``multimaster.master_config`` (default: ``$SALT_MASTER_CONFIG`` or
 
 The primary's runner calls these functions; operators rarely need them
 directly, except ``multimaster_peer.inventory`` to see what a peer holds.
-The logic lives in :mod:`salt_multimaster.peer`; this module opens the
-sealed requests and passes in the Salt-specific parts (unseal with this
-minion's key, fetch from the primary's fileserver, pull through
-``publish.runner``, restart the local salt-master).
+The logic lives in :mod:`salt_multimaster.peer` (the inventory),
+:mod:`salt_multimaster.applier` and :mod:`salt_multimaster.restore`; this
+module opens the sealed requests and passes in the Salt-specific parts
+(unseal with this minion's key, fetch from the primary's fileserver, pull
+through ``publish.runner``, restart the local salt-master).
 """
 
 import concurrent.futures
@@ -26,10 +27,11 @@ import salt.fileclient
 from salt.exceptions import CommandExecutionError
 
 try:
-    from salt_multimaster import (backup, daemon, fsutil, guard, layout, membership, peer,
-                                  protocol, replicate, restart, rotation, seal, statefile,
+    from salt_multimaster import (applier, backup, daemon, fsutil, guard, layout, membership,
+                                  peer, protocol, replicate, restart, rotation, seal, statefile,
                                   validate)
     from salt_multimaster import epoch as fencing
+    from salt_multimaster import restore as restoring
 
     HAS_CORE = True
 except ImportError:
@@ -64,7 +66,7 @@ def __virtual__():
 def _master_opts():
     path = _master_config_path()
     # the drop-in a sync writes, damaged: moved aside, written again by the sync
-    peer.dropin_damaged(path, _state_dir())
+    applier.dropin_damaged(path, _state_dir())
     try:
         return salt.config.master_config(path)
     except Exception as exc:  # pylint: disable=broad-except
@@ -331,7 +333,7 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
         return refused
     master_restart = _restart_master()
     try:
-        ret = peer.apply(mopts, _state_dir(), args["ops"], args["topology"],
+        ret = applier.apply(mopts, _state_dir(), args["ops"], args["topology"],
                          args["backup_keep"], _unseal, _fetch, master_restart, pull=_pull,
                          pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
                          keys_digest=args["keys_digest"], expect=args["expect"],
@@ -370,7 +372,7 @@ def restore(backup_name=None, test=False, sealed=None, epoch=None):
     if refused:
         return refused
     try:
-        ret = peer.restore(mopts, _state_dir(), args["backup_name"], args["test"],
+        ret = restoring.restore(mopts, _state_dir(), args["backup_name"], args["test"],
                            _restart_master())
     except peer.PeerError as exc:
         raise CommandExecutionError(str(exc)) from None
@@ -404,7 +406,7 @@ def collect(items=None, reply_to=None, reply_pub=None, sealed=None, epoch=None):
     refused = _fenced("multimaster_peer.collect", mopts, sealed, args["epoch"])
     if refused:
         return refused
-    ret = peer.collect(mopts, args["items"], args["reply_to"], args["reply_pub"])
+    ret = restoring.collect(mopts, args["items"], args["reply_to"], args["reply_pub"])
     return _reply(ret)
 
 

@@ -14,7 +14,7 @@ Steps (each reported):
     The peer sends the contents of the keys and files to carry, each sealed
     to the primary's master key (``multimaster_peer.collect``: only from
     its pki_dir and roots); the primary writes them with the peer's own
-    applier (:class:`salt_multimaster.peer.Applier`): validated operations,
+    applier (:class:`salt_multimaster.applier.Applier`): validated operations,
     each content checked against its sha256, confined to the primary's
     pki_dir and roots, no setuid/setgid/sticky or world-writable file,
     staged and renamed, what it replaces or removes backed up in
@@ -42,8 +42,8 @@ Plain Python: Salt comes in through :class:`SaltOps`.
 
 import logging
 
-from salt_multimaster import layout, outage, protocol, report, revocation, rounds, validate
-from salt_multimaster import peer as peer_core
+from salt_multimaster import (applier, layout, outage, protocol, report, restore, revocation,
+                              rounds, validate)
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def carry(ops, peer, items):
             env, rel = item["name"].split(":", 1)
             sizes[protocol.item_name(item["cat"], {"env": env, "rel": rel})] = item["peer"][0]
     contents, errors = {}, []
-    for batch in outage.batches(names, sizes, peer_core.COLLECT_MAX_BYTES):
+    for batch in outage.batches(names, sizes, restore.COLLECT_MAX_BYTES):
         reply, error = ops.collect(peer, batch, ops.conf["timeout"])
         if error:
             errors.append(error)
@@ -128,10 +128,10 @@ def carry(ops, peer, items):
     except validate.InvalidInput as exc:
         step.update(result=False, comment=f"nothing written: {exc}")
         return step
-    app = peer_core.Applier(ops.opts, layout.state_dir(ops.opts),
+    app = applier.Applier(ops.opts, layout.state_dir(ops.opts),
                        lambda blob, purpose: ops.unseal(blob, f"failback/{purpose}"))
     try:
-        applied = peer_core.apply_categories(app, todo, ops.conf["topology"], lambda _ops: {})
+        applied = applier.apply_categories(app, todo, ops.conf["topology"], lambda _ops: {})
     except BaseException:
         app.batch.abort()  # nothing half written
         raise

@@ -865,7 +865,7 @@ def _after(entry, rep, inv):
     ``{id: {"keys", "received"}}`` of the targeted ids on a peer after a
     clean apply of ``rep`` to it, from its keys of them before (``inv``):
     the primary's keys; received as the peer's key history records it
-    (``peer.update_history``: a write adds the id, a removal alone drops it).
+    (``history.update_history``: a write adds the id, a removal alone drops it).
     """
     def ids(kinds):
         return {item.split("/", 1)[1] for kind in kinds for item in rep[kind]}

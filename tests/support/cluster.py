@@ -700,7 +700,7 @@ def run(cmd, **kwargs):
 
 # A primary serving a large sync's pulls: each pull (peer_run) holds one of
 # its request workers while it runs, and a peer keeps up to three in flight
-# (salt_multimaster.peer.PULL_AHEAD + 1); with the 3 workers of the other
+# (salt_multimaster.applier.PULL_AHEAD + 1); with the 3 workers of the other
 # test masters a loaded machine left no worker for the peer minion's
 # returns, whose request then timed out (a find_job answer lost: the sync
 # reported the peer gone).  Salt's own default: 5.

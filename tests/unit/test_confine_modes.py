@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from salt_multimaster import fsutil, manifest, peer, replicate, rootscan
+from salt_multimaster import applier, fsutil, manifest, replicate, rootscan
 
 A, B = "a" * 64, "b" * 64
 
@@ -177,11 +177,11 @@ class _Served:
 
 def _apply(tmp_path, roots, ops, data=b"new"):
     mopts = {"file_roots": {"base": roots}, "cachedir": str(tmp_path / "cache")}
-    app = peer.Applier(mopts, str(tmp_path / "state"), None)
+    app = applier.Applier(mopts, str(tmp_path / "state"), None)
     app.puller = _Served(data)
     for op in ops:
         op.setdefault("pull", 0)
-    report = peer.apply_tree(app, "file_roots", ops, lambda ops: {})
+    report = applier.apply_tree(app, "file_roots", ops, lambda ops: {})
     app.batch.commit()
     return report, app
 
@@ -238,7 +238,7 @@ def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out
     out.mkdir()
     (out / "victim").write_text("not a key of this master")
     os.symlink(str(out), pki / "minions_pre")
-    app = peer.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
+    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
                        str(tmp_path / "state"), None)
     key = "-----BEGIN PUBLIC KEY-----\nx\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "state": "minions_pre", "id": "web1", "sha256": manifest.key_sha(key.encode()),
@@ -246,7 +246,7 @@ def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out
            {"op": "remove", "state": "minions_pre", "id": "victim"},
            {"op": "write", "state": "minions", "id": "web1", "sha256": manifest.key_sha(key.encode()),
             "data": key}]
-    report = peer.apply_minion_keys(app, ops)
+    report = applier.apply_minion_keys(app, ops)
     app.batch.commit()
     assert report["updated"] == ["minions/web1"]
     assert report["failed"] == ["minions_pre/web1", "minions_pre/victim"]
@@ -276,18 +276,18 @@ def test_master_keys_never_written_through_a_link_out_of_pki_dir(tmp_path):
     (out / "master.pub").write_text("outside")
     os.symlink(out / "master.pub", pki / "master.pub")
     mopts = {"pki_dir": str(pki), "id": "m2_master", "cachedir": str(tmp_path / "cache")}
-    app = peer.Applier(mopts, str(tmp_path / "state"), None)
+    app = applier.Applier(mopts, str(tmp_path / "state"), None)
     data = "-----BEGIN PUBLIC KEY-----\nnew\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "kind": "pub", "name": "master.pub", "data": data,
             "sha256": hashlib.sha256(data.encode()).hexdigest()}]
-    report = peer.apply_master_keys(app, ops, "shared")
+    report = applier.apply_master_keys(app, ops, "shared")
     app.batch.commit()
     assert report["failed"] == ["master.pub"]
     assert "outside" in report["errors"][0]
     assert (out / "master.pub").read_text() == "outside"
 
 
-@pytest.mark.parametrize("count", [2, peer.STATS_BEFORE_LISTING + 8])
+@pytest.mark.parametrize("count", [2, applier.STATS_BEFORE_LISTING + 8])
 def test_apply_backs_up_every_replaced_key_with_a_stat_for_a_few_and_one_listing_for_many(
         tmp_path, monkeypatch, count):
     pki = tmp_path / "pki"
@@ -298,16 +298,16 @@ def test_apply_backs_up_every_replaced_key_with_a_stat_for_a_few_and_one_listing
         (pki / "minions" / f"m{i:03d}").write_text(old)
     listed = []
     real_listdir = os.listdir
-    monkeypatch.setattr(peer.os, "listdir",
+    monkeypatch.setattr(applier.os, "listdir",
                         lambda d: listed.append(os.path.basename(d)) or real_listdir(d))
-    app = peer.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
+    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
                        str(tmp_path / "state"), None)
     ops = [{"op": "write", "state": "minions", "id": f"m{i:03d}", "data": new,
             "sha256": manifest.key_sha(new.encode())} for i in range(count)]
-    report = peer.apply_minion_keys(app, ops)
+    report = applier.apply_minion_keys(app, ops)
     app.batch.commit()
     # a change sync's few keys: a stat each, no listing of the key dir
-    assert listed.count("minions") == (0 if count <= peer.STATS_BEFORE_LISTING else 1)
+    assert listed.count("minions") == (0 if count <= applier.STATS_BEFORE_LISTING else 1)
     assert report["errors"] == [] and len(report["updated"]) == count
     backed = sorted(real_listdir(os.path.join(app.backup_root, "minion_keys", "minions")))
     assert backed == [f"m{i:03d}" for i in range(0, count, 2)]

@@ -13,8 +13,8 @@ import sqlite3
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import (keyscan, manifest, peer, protocol, restart, seal, store, sync,
-                              validate)
+from salt_multimaster import (applier, history, keyscan, manifest, peer, protocol, restart,
+                              restore, seal, store, sync, validate)
 from tests.support.cluster import gen_keypair
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
@@ -84,7 +84,7 @@ def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=Fals
         return {id(op): manifest.locate(primary_opts["file_roots"][op["env"]], op["rel"])
                 for op in file_ops}
 
-    applied = peer.apply(mopts, peer_state, ops, "shared", 10, unseal, fetch,
+    applied = applier.apply(mopts, peer_state, ops, "shared", 10, unseal, fetch,
                          restart or (lambda: "restart_required"),
                          keys_digest=primary["minion_keys"]["digest"])
     sync.merge(report, applied)
@@ -158,7 +158,7 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
     _assert_replica(primary_opts, mopts)
     dropin = tmp_path / "m2" / "etc" / "master.d" / "multimaster-sync.conf"
     assert "webs: L@web1,web2" in dropin.read_text()
-    assert sorted(peer.read_history(str(tmp_path / "m2-minion-state"))) == [
+    assert sorted(history.read_history(str(tmp_path / "m2-minion-state"))) == [
         "m2", "new1", "web1", "web2"]
 
     # the primary changes: accepted, deleted, edited; the peer is asked with
@@ -198,7 +198,7 @@ def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
     assert report["minion_keys"]["added"] == ["minions/web1"]
     how = sync.transport(primary_opts, "m2", ops, sync.INLINE_LIMIT)
     sync.attach_contents(primary_opts, "m2", ops, primary, how)
-    peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
+    applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
     assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_bytes() == key
     assert not (tmp_path / "m2" / "pki" / "minions" / "other").exists()
     # deleted on the primary: the peer received it from the primary, so it goes
@@ -208,7 +208,7 @@ def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
     assert inv["minion_keys"]["history"] == ["web1"]
     ops, report = sync.plan("shared", ["minion_keys"], primary, inv, False)
     assert report["minion_keys"]["removed"] == ["minions/web1"]
-    peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
+    applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
     assert not (tmp_path / "m2" / "pki" / "minions" / "web1").exists()
 
 
@@ -249,7 +249,7 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     # the peer changed behind the primary's back: nothing applied, its inventory instead
     (tmp_path / "m2" / "srv" / "local.sls").write_text("mine\n")
     _read_dropin(mopts)
-    got = peer.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
+    got = applier.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
                      expect=expect, config_keys=CONFIG_KEYS)
     assert set(got) == {"backup", "inventory"} and got["backup"] is None
     assert got["inventory"]["file_roots"]["buckets"]
@@ -259,13 +259,13 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     assert report["file_roots"]["removed"] == ["base:local.sls"]
     (tmp_path / "m2" / "srv" / "local.sls").unlink()
     # as expected: applied in the one round trip, the master's state with it
-    got = peer.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
+    got = applier.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
                      expect=expect, config_keys=CONFIG_KEYS)
     assert got["master_running"] is False and got["restart"] is None
     assert got["minion_keys"] == {"errors": [], "failed": []}
     _assert_replica(primary_opts, mopts)
     with pytest.raises(validate.InvalidInput, match="expect must be a mapping"):
-        peer.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
+        applier.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
 
 
 def _held(opts, peer, ids):
@@ -293,7 +293,7 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
         ops, report = sync.plan("shared", ["minion_keys"], primary, inv, force)
         ops = {c: o for c, o in ops.items() if o}
         sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
-        got = peer.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
+        got = applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
                          expect=expect)
         if expect is not None:
             first = got
@@ -407,13 +407,13 @@ def test_a_targeted_expectation_checks_the_key_history_too(pair):
     sha = manifest.key_sha(key)
     # the peer holds the key, never received from the primary: not as expected
     expect = protocol.targeted_expectation({"web1": {"minions": sha}}, ["web1"])
-    held, inv = peer.check_expected(mopts, state, expect, "shared", None)
+    held, inv = applier.check_expected(mopts, state, expect, "shared", None)
     assert held is False and inv["minion_keys"]["history"] == []
-    assert peer.check_expected(mopts, state, protocol.targeted_expectation(
+    assert applier.check_expected(mopts, state, protocol.targeted_expectation(
         {"web1": {"minions": sha}}, []), "shared", None)[0] is True
     # a damaged key on the peer is never "as expected": the inventory names it
     (tmp_path / "m2" / "pki" / "minions" / "web1").write_text("not a key")
-    held, inv = peer.check_expected(mopts, state, protocol.targeted_expectation(
+    held, inv = applier.check_expected(mopts, state, protocol.targeted_expectation(
         {"web1": {}}, []), "shared", None)
     assert held is False and inv["minion_keys"]["errors"]
     for bad in ({"minion_keys": {"ids": {"../x": {}}, "received": []}},
@@ -421,7 +421,7 @@ def test_a_targeted_expectation_checks_the_key_history_too(pair):
                 {"minion_keys": {"ids": {"a": []}, "received": []}},
                 {"minion_keys": {"ids": {"a": {}}, "received": []}, "file_roots": {}}):
         with pytest.raises(validate.InvalidInput):
-            peer.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
+            applier.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
                        expect=bad)
     assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
 
@@ -478,7 +478,7 @@ def test_a_restart_command_that_cannot_run_holds_back_what_needs_it(pair):
     written = {n: (tmp_path / "m2" / "pki" / n).read_bytes() for n in before}
     state = str(tmp_path / "m2-minion-state")
     for test in (True, False):
-        ret = peer.restore(mopts, state, None, test, refused)
+        ret = restore.restore(mopts, state, None, test, refused)
         assert ret["result"] is False and ret["restored"] == [], ret
         assert sorted(ret["errors"]) == [f"master_keys/master.pem: {why}",
                                          f"master_keys/master.pub: {why}"]

@@ -7,8 +7,8 @@ import stat
 
 import pytest
 
-from salt_multimaster import (fsutil, keyscan, manifest, protocol, replicate, rootscan, seal,
-                              store)
+from salt_multimaster import (fsutil, history, keyscan, manifest, protocol, replicate, rootscan,
+                              seal, store)
 from tests.support.cluster import gen_keypair
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -278,12 +278,10 @@ def test_bucket_digests_stay_those_of_protocol_1():
 def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_digest(
         tmp_path, monkeypatch):
     """
-    peer.record_history: every id of a bucket equal to the primary's is in
+    history.record_history: every id of a bucket equal to the primary's is in
     the key history; a bucket recorded at its digest, untouched by an apply
     and with the history unchanged since (its generation), is not read again.
     """
-    from salt_multimaster import peer
-
     pki, state = tmp_path / "pki", str(tmp_path / "state")
     (pki / "minions").mkdir(parents=True)
     pub = gen_keypair(1024)[1]
@@ -298,24 +296,24 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
     def record():
         asked.clear()
         digest = keyscan.KeysSnapshot(str(pki), state).digest  # the primary's, the same keys
-        peer.record_history(mopts, state, digest)
+        history.record_history(mopts, state, digest)
         return asked[0] if asked else []
 
     every = sorted(keyscan.KeysSnapshot(str(pki), state).digest)
     assert record() == every
-    assert sorted(peer.read_history(state)) == sorted(f"m{i}" for i in range(40))
+    assert sorted(history.read_history(state)) == sorted(f"m{i}" for i in range(40))
     assert record() == []  # all recorded
     new = next(f"n{i}" for i in range(1000) if manifest.bucket_of(f"n{i}") in every)
     (pki / "minions" / new).write_bytes(pub)
-    assert record() == [manifest.bucket_of(new)] and new in peer.read_history(state)
+    assert record() == [manifest.bucket_of(new)] and new in history.read_history(state)
     # an apply that removed m3 (so the history lost it) and then wrote it back
     # unchanged elsewhere: its bucket is read again
-    peer.update_history(state, [{"op": "remove", "state": "minions", "id": "m3"}],
+    history.update_history(state, [{"op": "remove", "state": "minions", "id": "m3"}],
                         {"updated": [], "removed": ["minions/m3"]})
-    assert "m3" not in peer.read_history(state)
-    assert record() == [manifest.bucket_of("m3")] and "m3" in peer.read_history(state)
+    assert "m3" not in history.read_history(state)
+    assert record() == [manifest.bucket_of("m3")] and "m3" in history.read_history(state)
     # the history rewritten by anyone else (another generation than the
     # one the record was found at): every bucket is checked again
     with sqlite3.connect(os.path.join(state, store.NAME)) as db:
-        db.execute("UPDATE meta SET value = '99' WHERE name = ?", (peer.HISTORY,))
-    assert record() == every and len(peer.read_history(state)) == 41
+        db.execute("UPDATE meta SET value = '99' WHERE name = ?", (history.HISTORY,))
+    assert record() == every and len(history.read_history(state)) == 41

@@ -1,5 +1,5 @@
 """
-The key history of a peer (peer.KeyHistory): the ids it received from the
+The key history of a peer (history.KeyHistory): the ids it received from the
 primary, in the ``history`` table of its state store, so that an apply of
 one key reads and writes the ids of one bucket.
 """
@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from salt_multimaster import manifest, peer, store
+from salt_multimaster import history, manifest, store
 from tests.support.store import DAMAGES, damage
 
 
@@ -17,7 +17,7 @@ def _apply(state, added=(), removed=()):
     """What an apply of these writes and removals leaves to update_history."""
     ops = [{"op": "write", "state": "minions", "id": mid} for mid in added]
     ops += [{"op": "remove", "state": "minions", "id": mid} for mid in removed]
-    peer.update_history(state, ops, {"updated": [f"minions/{m}" for m in added],
+    history.update_history(state, ops, {"updated": [f"minions/{m}" for m in added],
                                      "removed": [f"minions/{m}" for m in removed]})
 
 
@@ -26,28 +26,28 @@ def _rows(state):
     with sqlite3.connect(pathlib.Path(state) / store.NAME) as db:
         rows = db.execute("SELECT id, bucket FROM history ORDER BY id").fetchall()
         generation = db.execute("SELECT value FROM meta WHERE name = ?",
-                                (peer.HISTORY,)).fetchall()
+                                (history.HISTORY,)).fetchall()
     return rows, generation
 
 
 def _spy(monkeypatch):
     """The buckets of the history read by bucket (``[bucket]``), and whether all of it was."""
     read = []
-    real = peer._query  # pylint: disable=protected-access
+    real = history._query  # pylint: disable=protected-access
 
     def query(state_dir, sql, args=()):
         if "FROM history" in sql:
             read.append(args[0] if args else "every")
         return real(state_dir, sql, args)
 
-    monkeypatch.setattr(peer, "_query", query)
+    monkeypatch.setattr(history, "_query", query)
     return read
 
 
 def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path, monkeypatch):
     state = str(tmp_path)
     _apply(state, added=[f"m{i}" for i in range(400)])
-    assert peer.read_history(state) == sorted(f"m{i}" for i in range(400))
+    assert history.read_history(state) == sorted(f"m{i}" for i in range(400))
     before, generation = _rows(state)
     read = _spy(monkeypatch)
     _apply(state, added=["new1"])
@@ -59,10 +59,10 @@ def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path
     read.clear()
     _apply(state, removed=["m7"])
     assert read == [manifest.bucket_of("m7")]
-    assert peer.read_history(state) == sorted({f"m{i}" for i in range(400)} - {"m7"} | {"new1"})
+    assert history.read_history(state) == sorted({f"m{i}" for i in range(400)} - {"m7"} | {"new1"})
     # the inventory's history of one bucket reads that bucket only
     read.clear()
-    assert peer._history_of(state, {bucket}) == sorted(  # pylint: disable=protected-access
+    assert history.history_of(state, {bucket}) == sorted(  # pylint: disable=protected-access
         m for m in [f"m{i}" for i in range(400)] + ["new1"]
         if manifest.bucket_of(m) == bucket and m != "m7")
     assert read == [bucket]
@@ -78,10 +78,10 @@ def test_a_damaged_store_reads_as_no_id_received_then_is_rebuilt(tmp_path, how):
     state = tmp_path
     _apply(str(state), added=[f"web{i}" for i in range(50)])
     damage(state, how, table="history")
-    assert peer.read_history(str(state)) == []
+    assert history.read_history(str(state)) == []
     _apply(str(state), added=["db1"])
     _apply(str(state), added=["db2"])
-    assert peer.read_history(str(state)) == ["db1", "db2"]
+    assert history.read_history(str(state)) == ["db1", "db2"]
 
 
 def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
@@ -93,6 +93,6 @@ def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
         removed = {f"k{rng.randrange(300)}" for _ in range(rng.randrange(6))} - added
         _apply(state, added=sorted(added), removed=sorted(removed))
         model = (model | added) - removed
-        assert peer.read_history(state) == sorted(model)
+        assert history.read_history(state) == sorted(model)
     rows, _ = _rows(state)
     assert rows == sorted((m, manifest.bucket_of(m)) for m in model)

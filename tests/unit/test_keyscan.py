@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from salt_multimaster import keyscan, manifest, peer, store
+from salt_multimaster import applier, keyscan, manifest, store
 from tests.support.cluster import gen_keypair
 from tests.support import store as store_damage
 from tests.support.keys import digest_of_keys
@@ -183,7 +183,7 @@ def test_the_keys_a_peer_wrote_are_not_read_again(tmp_path, reads):
     """An apply records the hashes of the keys it wrote in the store; the next scan uses them."""
     pki, state = tmp_path / "pki", tmp_path / "state"
     (pki / "minions").mkdir(parents=True)
-    app = peer.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
+    app = applier.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
     pub = gen_keypair(1024)[1]
     path = str(pki / "minions" / "web1")
     app.write(path, pub, 0o644, "minion_keys/minions/web1", manifest.key_sha(pub),

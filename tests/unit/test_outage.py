@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from salt_multimaster import (confirmed, failback, manifest, outage, peer, protocol, report,
+from salt_multimaster import (confirmed, failback, manifest, outage, protocol, report, restore,
                               rounds, seal, sync)
 from tests.support.cluster import gen_keypair
 from tests.unit import test_rounds
@@ -355,7 +355,7 @@ class FailbackSalt(test_rounds.FakeSalt):
 
     def _run(self, fun, request):
         if fun == "multimaster_peer.collect":
-            return peer.collect(self.mopts, request["items"], request["reply_to"],
+            return restore.collect(self.mopts, request["items"], request["reply_to"],
                                 request["reply_pub"])
         return super()._run(fun, request)
 
@@ -499,7 +499,7 @@ def test_a_collect_reads_only_inside_the_pki_dir_and_roots(fake, tmp_path):
     tmp = _outage(fake)
     with open(f"{fake.primary_opts['pki_dir']}/master.pub", encoding="utf-8") as fh:
         pub = fh.read()
-    got = peer.collect(fake.mopts, ["minion_keys/minions/newbie", "file_roots/base/../etc/x",
+    got = restore.collect(fake.mopts, ["minion_keys/minions/newbie", "file_roots/base/../etc/x",
                                     "minion_keys/minions/../../etc", "master_keys/master.pem",
                                     "file_roots/nosuchenv/a.sls", "file_roots/base/app/init.sls"],
                        "m1_master", pub)
@@ -536,10 +536,10 @@ def test_a_collect_fits_in_a_return(fake):
     tmp = _outage(fake)
     with open(f"{fake.primary_opts['pki_dir']}/master.pub", encoding="utf-8") as fh:
         pub = fh.read()
-    _write(f"{tmp}/m2/srv/big.bin", b"x" * (peer.COLLECT_MAX_BYTES + 1))
-    _write(f"{tmp}/m2/srv/half1", b"y" * (peer.COLLECT_MAX_BYTES // 2 + 1))
-    _write(f"{tmp}/m2/srv/half2", b"y" * (peer.COLLECT_MAX_BYTES // 2 + 1))
-    got = peer.collect(fake.mopts, ["file_roots/base/big.bin", "file_roots/base/half1",
+    _write(f"{tmp}/m2/srv/big.bin", b"x" * (restore.COLLECT_MAX_BYTES + 1))
+    _write(f"{tmp}/m2/srv/half1", b"y" * (restore.COLLECT_MAX_BYTES // 2 + 1))
+    _write(f"{tmp}/m2/srv/half2", b"y" * (restore.COLLECT_MAX_BYTES // 2 + 1))
+    got = restore.collect(fake.mopts, ["file_roots/base/big.bin", "file_roots/base/half1",
                                     "file_roots/base/half2"], "m1_master", pub)
     assert list(got["items"]) == ["file_roots/base/half1"]
     assert [e.split(":")[0] for e in got["errors"]] == ["file_roots/base/big.bin",
@@ -547,7 +547,7 @@ def test_a_collect_fits_in_a_return(fake):
     assert "copy it to the primary by hand, or keep it" in got["errors"][0]
     # the primary asks in batches that fit
     sizes = {"a": 300 * 1024, "b": 300 * 1024, "c": 10}
-    assert outage.batches(["a", "b", "c"], sizes, peer.COLLECT_MAX_BYTES) == [["a"], ["b", "c"]]
+    assert outage.batches(["a", "b", "c"], sizes, restore.COLLECT_MAX_BYTES) == [["a"], ["b", "c"]]
 
 
 def test_the_record_of_a_key_forced_holds_what_the_peer_holds_of_it(fake):

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from salt_multimaster import manifest, peer, replicate, rootscan, store
+from salt_multimaster import applier, manifest, replicate, rootscan, store
 from tests.support import store as store_damage
 from tests.support.watcher import FakeWatcher
 
@@ -215,7 +215,7 @@ def test_the_files_a_peer_wrote_are_not_read_again(tmp_path, reads):
     root = tmp_path / "root"
     root.mkdir()
     state = tmp_path / "state"
-    app = peer.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
+    app = applier.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
     for i in range(3):
         data = f"file {i}".encode()
         path = str(root / f"f{i}")

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from salt_multimaster import manifest, peer, protocol, rounds, seal, sync
+from salt_multimaster import applier, history, manifest, peer, protocol, rounds, seal, sync
 from tests.support.cluster import gen_keypair
 from tests.unit import test_contract as contract
 from tests.unit.test_contract import CATS, CONFIG_KEYS, _assert_replica, _read_dropin
@@ -22,7 +22,7 @@ PEER = "m2"
 class FakeSalt:
     """
     Publishes run the peer module's logic at once on ``mopts`` (what
-    ``multimaster_peer`` does around ``salt_multimaster.peer``), contents
+    ``multimaster_peer`` does around ``salt_multimaster.applier``), contents
     unsealed with the peer minion's key; the primary's fileserver is its
     file_roots read directly.
     """
@@ -47,7 +47,7 @@ class FakeSalt:
                                   request.get("digests") or {}, request["topology"],
                                   request.get("config_keys"), rescan=bool(request.get("rescan")))
         assert fun == "multimaster_peer.apply" and "pull_token" not in request
-        return peer.apply(self.mopts, self.state_dir, request["ops"], request["topology"],
+        return applier.apply(self.mopts, self.state_dir, request["ops"], request["topology"],
                           request["backup_keep"], self.unseal, self.fetch,
                           lambda *args: "restarting", keys_digest=request.get("keys_digest"),
                           expect=request.get("expect"), config_keys=request.get("config_keys"),
@@ -190,7 +190,7 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
         if fun != "multimaster_peer.apply":
             return run(fun, request)
         _read_dropin(fake.mopts)
-        return peer.apply(fake.mopts, fake.state_dir, request["ops"], request["topology"],
+        return applier.apply(fake.mopts, fake.state_dir, request["ops"], request["topology"],
                           request["backup_keep"], fake.unseal, fake.fetch,
                           lambda *args: "restarting", keys_digest=request.get("keys_digest"),
                           expect=request.get("expect"), config_keys=request.get("config_keys"),
@@ -202,7 +202,7 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
     res, published = _sync(fake)
     assert published == ["apply"] and res["minion_keys"]["added"] == ["minions/web4"], res
     assert len(left) == 1
-    assert "web4" in peer.read_history(fake.state_dir)  # the ids it wrote: at once
+    assert "web4" in history.read_history(fake.state_dir)  # the ids it wrote: at once
     assert peer.keys_inventory(fake.mopts, fake.state_dir, {})["history_recorded"] is False
 
     slept = []
@@ -255,6 +255,6 @@ def test_keep_accepted_puts_back_only_the_key_the_apply_wrote(tmp_path):
            for mid in ("web1", "web2", "web3", "web4")]
     ops.append({"op": "write", "state": "minions_pre", "id": "web5",
                 "sha256": manifest.key_sha(mine)})
-    assert peer.keep_accepted({"pki_dir": str(pki)}, ops) == ["web1"]
+    assert applier.keep_accepted({"pki_dir": str(pki)}, ops) == ["web1"]
     assert sorted(os.listdir(pki / "minions")) == ["web1", "web3"]
     assert sorted(os.listdir(pki / "minions_pre")) == ["web2", "web3"]
