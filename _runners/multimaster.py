@@ -45,9 +45,9 @@ __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "guard", "jobs", "layout",
-                                 "lock", "manifest", "membership", "outage", "protocol",
-                                 "replicate", "report", "restart", "revocation", "rotation",
-                                 "rounds", "seal", "validate")}
+                                 "lock", "manifest", "membership", "memory", "outage",
+                                 "protocol", "replicate", "report", "restart", "revocation",
+                                 "rotation", "rounds", "seal", "transport", "validate")}
 _CORE["sync_core"] = "sync"
 _CORE["failback_core"] = "failback"
 _CORE["promote_core"] = "promote"
@@ -56,8 +56,9 @@ _CORE["epochs"] = "epoch"
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, guard, jobs, layout, lock,
-                                  manifest, membership, outage, protocol, replicate, report,
-                                  restart, revocation, rotation, rounds, seal, validate)
+                                  manifest, membership, memory, outage, protocol, replicate,
+                                  report, restart, revocation, rotation, rounds, seal,
+                                  transport, validate)
     # the public functions failback() and promote() take the modules' names
     from salt_multimaster import epoch as epochs
     from salt_multimaster import failback as failback_core
@@ -180,8 +181,8 @@ def _conf(kwargs):
     conf.setdefault("replicate", list(replicate.CATEGORIES))
     conf.setdefault("master_config_keys", list(replicate.DEFAULT_CONFIG_KEYS))
     conf.setdefault("timeout", _DEFAULT_TIMEOUT)
-    conf.setdefault("inline_limit", sync_core.INLINE_LIMIT)
-    conf.setdefault("pull_min_files", sync_core.PULL_MIN_FILES)
+    conf.setdefault("inline_limit", transport.INLINE_LIMIT)
+    conf.setdefault("pull_min_files", transport.PULL_MIN_FILES)
     conf.setdefault("backup_keep", sync_core.BACKUP_KEEP)
     conf.setdefault("verify_interval", sync_core.VERIFY_INTERVAL)
     conf["timeout"] = _timeout(conf["timeout"])
@@ -325,7 +326,7 @@ class _Job:
         self.fun = fun
         self.timeout = timeout
         sealed = protocol.sealed_kwarg(
-            {peer: sync_core.peer_pub(__opts__, peer) for peer in self.peers}, fun, kwarg)
+            {peer: transport.peer_pub(__opts__, peer) for peer in self.peers}, fun, kwarg)
         self.client = _client()
         self.was_listening = self.client.event.cpub
         try:
@@ -447,7 +448,7 @@ def _sync(job, peers, only, test, force, minion_ids, **kwargs):
         elif bad_ids:
             error = f"invalid minion id(s) in minion_ids: {', '.join(map(repr, bad_ids))}"
         only = ["minion_keys"]
-        if len(ids) > sync_core.MAX_TARGETED_IDS:
+        if len(ids) > memory.MAX_TARGETED_IDS:
             ids = []
     if error:
         return _invalid(error)
@@ -595,7 +596,7 @@ def _locked_sync(job, jid, peers, only, test, force, minion_ids, **kwargs):
                     conf.get("peers") if isinstance(conf, dict) else None, "multimaster:peers"):
                 busy.setdefault(peer, {"result": False, "error": busy["error"]})
             return busy
-        sync_core.sweep_grants(__opts__, _Salt.jid_dir)
+        transport.sweep_grants(__opts__, _Salt.jid_dir)
         return _sync(job, peers, only, test, force, minion_ids, **kwargs)
 
 
@@ -656,7 +657,7 @@ def pull(request):
         salt master02 publish.runner multimaster.pull
     """
     caller = __opts__.get("id")
-    served = sync_core.serve_pull(__opts__, request, caller, _own_job("multimaster.pull")[0])
+    served = transport.serve_pull(__opts__, request, caller, _own_job("multimaster.pull")[0])
     if "error" in served:
         return served
     # the master prints each runner return it serves with the outputter the
@@ -1254,7 +1255,7 @@ def _failback(job, jid, peer, test, keep, **kwargs):
         with _sync_lock(lock_wait, jid) as busy:
             if busy:
                 return busy
-            sync_core.sweep_grants(__opts__, _Salt.jid_dir)
+            transport.sweep_grants(__opts__, _Salt.jid_dir)
             return failback_core.failback(salt_ops, peer, False, keep)
     except outage.FailbackError as exc:
         return _invalid(f"multimaster.failback: {exc}")

@@ -1054,7 +1054,8 @@ print(json.dumps(out))
                 if key not in seen:
                     seen.add(key)
                     incl[key] = incl.get(key, 0) + int(count)
-        wanted = ("multimaster.py:", "sync.py:", "manifest.py:", "replicate.py:",
+        wanted = ("multimaster.py:", "sync.py:", "transport.py:", "memory.py:", "manifest.py:",
+                  "replicate.py:",
                   "client/__init__.py",
                   "__init__.py:LocalClient", "job.py:", "local_cache.py:", "minions.py:",
                   "key.py:", "localfs_key.py:", "mixins.py:", "runner.py:", "event.py:",

@@ -23,7 +23,8 @@ import salt.utils.yaml
 from salt_multimaster import (backup, compat, confirmed, fsutil, history, keyscan, layout,
                               manifest, protocol, replicate, revocation, rootscan, seal,
                               statefile, store, validate)
-from salt_multimaster.peer import PeerError, inventory, locked, targeted_inventory
+from salt_multimaster import peer
+from salt_multimaster.peer import PeerError, locked
 
 log = logging.getLogger(__name__)
 
@@ -395,40 +396,6 @@ class Puller:
         self.pool.shutdown(wait=True)
 
 
-def check_expected(mopts, state_dir, expect, topology, config_keys):
-    """
-    ``(held, inventory)``: whether this peer holds what the primary
-    expects (``expect``: :func:`protocol.expectation`), and its inventory
-    against those digests (what the primary plans from when it does not).
-    A targeted expectation (:func:`protocol.targeted_expectation`) is
-    checked against this peer's keys of its ids only
-    (:func:`targeted_inventory`: no listing of every key).
-    """
-    if not isinstance(expect, dict) or not expect:
-        raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
-                                    f"not {expect!r}")
-    try:
-        ids = protocol.targeted_ids(expect)
-    except protocol.ProtocolError as exc:
-        raise validate.InvalidInput(f"expect: {exc}") from None
-    if ids is not None:
-        # a targeted key sync: the keys of these ids only, a few stats each
-        inv = targeted_inventory(mopts, state_dir, validate.minion_ids(ids))
-        return protocol.holds(expect, inv), inv
-    validate.categories(list(expect), "expect")
-    if config_keys is not None:
-        validate.config_keys(config_keys)
-    try:
-        digests = protocol.expected_digests(expect)
-    except (KeyError, TypeError, AttributeError):
-        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
-    inv = inventory(mopts, state_dir, list(expect), digests, topology, config_keys)
-    try:
-        return protocol.holds(expect, inv), inv
-    except (KeyError, TypeError, AttributeError):
-        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
-
-
 def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
           pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
           config_keys=None, after=None, confirm=None):
@@ -528,6 +495,10 @@ def _digests(value):
     return None
 
 
+def _keys_state(pki_dir, ids):
+    return keyscan.keys_state(pki_dir, sorted(ids))
+
+
 def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
     """
     After an apply: record what this peer now holds in step with the
@@ -535,14 +506,14 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
     inventory read (its saved state) and what the apply did (``ret``).
     """
     confirm = confirm if isinstance(confirm, dict) else {}
-    digests = {cat: _digests(confirm.get(cat)) for cat in confirmed.BUCKETED}
+    digests = {cat: _digests(confirm.get(cat)) for cat in protocol.BUCKETED}
     digests["minion_keys"] = _digests(keys_digest)
-    for cat in confirmed.BUCKETED:
+    for cat in protocol.BUCKETED:
         if not ops.get(cat) and digests[cat] is None:
             continue
         done = confirmed.applied(cat, ops.get(cat) or [],
                                  set((ret.get(cat) or {}).get("failed") or ()))
-        now = None
+        keys_now = None
         if cat == "minion_keys":
             held = keyscan.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
 
@@ -550,14 +521,13 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
                 parts = keyscan.saved_parts(state_dir, [bucket])
                 return None if parts is None else parts.get(bucket, {})
 
-            def now(ids):
-                return keyscan.keys_state(mopts["pki_dir"], sorted(ids))
+            keys_now = functools.partial(_keys_state, mopts["pki_dir"])
         else:
             held = rootscan.saved_digests(state_dir, cat, safe=False)
 
             def part(bucket, cat=cat):
                 return rootscan.saved_part(state_dir, cat, bucket)
-        confirmed.record_apply(state_dir, cat, done, digests[cat], held, part, now)
+        confirmed.record_apply(state_dir, cat, done, digests[cat], held, part, keys_now)
     shas = _digests(confirm.get("master_config"))
     if shas is not None:
         values = {key: mopts.get(key) for key in shas}
@@ -571,7 +541,7 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
            pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm):
     status = {}
     if expect is not None:
-        held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
+        held, inv = peer.check_expected(mopts, state_dir, expect, topology, config_keys)
         if not held:
             return {"backup": None, "inventory": inv}
         status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")

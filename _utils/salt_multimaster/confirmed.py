@@ -30,7 +30,6 @@ import json
 from salt_multimaster import manifest, protocol
 from salt_multimaster import store as state_store
 
-BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
 ALL_BUCKETS = tuple(str(b) for b in range(manifest.BUCKETS))
 #: the digest recorded for a bucket that held nothing
 EMPTY = ""

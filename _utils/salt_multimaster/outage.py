@@ -283,7 +283,7 @@ def stale(inv, categories, primary):
     nothing, records it.
     """
     if any(((inv.get(cat) or {}).get("record") or {}).get("stale")
-           for cat in categories if cat in confirmed.BUCKETED):
+           for cat in categories if cat in protocol.BUCKETED):
         return True
     record = inv.get("config_record")
     if "master_config" not in categories or not isinstance(record, dict):

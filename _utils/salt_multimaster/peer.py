@@ -15,7 +15,7 @@ import os
 import time
 
 from salt_multimaster import (confirmed, daemon, finger, fsutil, history, keyscan, layout, lock,
-                              manifest, replicate, rootscan)
+                              manifest, protocol, replicate, rootscan, validate)
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +149,37 @@ def targeted_inventory(mopts, state_dir, ids):
             "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
                             "history": sorted(received & set(ids)),
                             "record": confirmed.since_ids(state_dir, ids, here)}}
+
+
+def check_expected(mopts, state_dir, expect, topology, config_keys):
+    """
+    ``(held, inventory)``: whether this peer holds what the primary
+    expects (``expect``: :func:`protocol.expectation`), and its inventory
+    against those digests (what the primary plans from when it does not).
+    A targeted expectation (:func:`protocol.targeted_expectation`) is
+    checked against this peer's keys of its ids only
+    (:func:`targeted_inventory`: no listing of every key).
+    """
+    if not isinstance(expect, dict) or not expect:
+        raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
+                                    f"not {expect!r}")
+    try:
+        ids = protocol.targeted_ids(expect)
+    except protocol.ProtocolError as exc:
+        raise validate.InvalidInput(f"expect: {exc}") from None
+    if ids is not None:
+        # a targeted key sync: the keys of these ids only, a few stats each
+        inv = targeted_inventory(mopts, state_dir, validate.minion_ids(ids))
+        return protocol.holds(expect, inv), inv
+    validate.categories(list(expect), "expect")
+    if config_keys is not None:
+        validate.config_keys(config_keys)
+    try:
+        digests = protocol.expected_digests(expect)
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None
+    inv = inventory(mopts, state_dir, list(expect), digests, topology, config_keys)
+    try:
+        return protocol.holds(expect, inv), inv
+    except (KeyError, TypeError, AttributeError):
+        raise validate.InvalidInput(f"expect: malformed digests {expect!r:.200}") from None

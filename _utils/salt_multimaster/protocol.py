@@ -194,6 +194,7 @@ def check_reply(peer, fun, ret):
 # ---------------------------------------------------------------------------
 # A conditional apply: what the primary expects the peer to hold
 # ---------------------------------------------------------------------------
+#: the categories replicated by bucket (their digests are per bucket)
 BUCKETED = ("minion_keys", "file_roots", "pillar_roots")
 
 

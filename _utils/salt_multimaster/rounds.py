@@ -4,7 +4,7 @@ go out, in which order, and what is planned from what came back.
 
 A full sync asks every peer for its inventory, plans on the primary, then
 applies (two publishes).  When the primary knows what a peer holds (what it
-last confirmed, :func:`salt_multimaster.sync.remembered`), a change sync is
+last confirmed, :func:`salt_multimaster.memory.remembered`), a change sync is
 one publish: the apply goes out with the digests the peer is expected to
 hold, and a peer that holds something else answers with its inventory (the
 second round).  A targeted key sync (``minion_ids``) does the same with the
@@ -18,7 +18,7 @@ unit tests run the real peer over temp dirs.
 import concurrent.futures
 import logging
 
-from salt_multimaster import compat, epoch, outage, protocol, statefile
+from salt_multimaster import compat, epoch, memory, outage, protocol, statefile, transport
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Rounds:
         the current digests.
         """
         digests = core.saved_digests(self.opts, categories)
-        if set(digests) != set(categories) & set(core.BUCKETED):
+        if set(digests) != set(categories) & set(protocol.BUCKETED):
             # nothing saved yet (first sync): a peer in step would detail everything
             primary = self.read_primary(categories)
             return primary, self.ask(peers, categories,
@@ -123,7 +123,7 @@ class Rounds:
     def apply(self, peer, ops, primary, how, keys_digest=None, expect=None, confirm=None):
         """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
         conf, opts = self.conf, self.opts
-        chunks = core.attach_contents(opts, peer, ops, primary, how) if ops else None
+        chunks = transport.attach_contents(opts, peer, ops, primary, how) if ops else None
         kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
                                  backup_keep=conf["backup_keep"], keys_digest=keys_digest,
                                  expect=expect, confirm=confirm, epoch=self.claim,
@@ -131,7 +131,7 @@ class Rounds:
         token = None
         if chunks is not None:
             # the operations travel with the first chunk, pulled point-to-point
-            token = core.grant(opts, peer, ops, chunks)
+            token = transport.grant(opts, peer, ops, chunks)
             kwarg.update(ops=None, pull_token=token, pull_chunks=len(chunks))
         # a large apply (an initial sync) takes longer than an inventory:
         # allow for 10 operations a second on top of the timeout
@@ -144,7 +144,7 @@ class Rounds:
 
         def still(seconds):
             if chunks:
-                served, done = core.pulled(opts, token, chunks)
+                served, done = transport.pulled(opts, token, chunks)
                 self.salt.progress(f"multimaster: {peer}: applying, {done}/{total} pulled "
                                    f"({served}/{len(chunks)} chunks), {seconds:.0f} s",
                                    peer=peer, phase="apply", done=done, total=total)
@@ -157,7 +157,7 @@ class Rounds:
                 still).get(peer)
         finally:
             if token:
-                core.revoke(opts, token, self.salt.jid_dir)
+                transport.revoke(opts, token, self.salt.jid_dir)
         if expect is not None and protocol.refused(got):
             # nothing applied (a peer older than this expectation refuses it)
             log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
@@ -183,7 +183,7 @@ class Rounds:
             return None
         ret = {"result": True}
         ret.update(plan_report)
-        how = core.transport(self.opts, peer, ops, conf["inline_limit"],
+        how = transport.transport(self.opts, peer, ops, conf["inline_limit"],
                              conf["pull_min_files"]) if ops else None
         if how and how["error"]:
             ret["result"] = False
@@ -230,7 +230,7 @@ class Rounds:
         inventory, and is planned from it (the usual second round).  Returns
         ``(report, the inventory planned from)``.
         """
-        inv = core.expected_inventory(held)
+        inv = memory.expected_inventory(held)
         sent = protocol.expected_digests(protocol.expectation(held))
         got = None
         if not core.unplannable(categories, primary, inv, sent):
@@ -251,7 +251,7 @@ class Rounds:
     def sync_targeted(self, peer, primary, held):
         """
         A targeted key sync in one publish: plan ``peer`` as holding
-        ``held`` of the ids (:func:`salt_multimaster.sync.targeted_held`)
+        ``held`` of the ids (:func:`salt_multimaster.memory.targeted_held`)
         and publish the apply conditional on it (even with nothing to apply:
         the peer confirms).  A peer holding something else answers with its
         keys of the ids, and is planned from them (the second round); a peer
@@ -260,7 +260,7 @@ class Rounds:
         refusal)``.
         """
         categories = ["minion_keys"]
-        inv = core.targeted_inventory(held)
+        inv = memory.targeted_inventory(held)
         got = self.sync_one(peer, categories, primary, inv,
                             expect=protocol.targeted_expectation(held["keys"], held["received"]))
         if got is not None and "master_id" not in got:
@@ -286,15 +286,15 @@ class Rounds:
         self.salt.progress(f"multimaster: reading the primary's state for "
                            f"{', '.join(categories)}")
         held = {} if test or self.conf["rescan"] or ids else {
-            peer: core.remembered(opts, peer, categories) for peer in peers}
+            peer: memory.remembered(opts, peer, categories) for peer in peers}
         known = {}
         if ids:
             # targeted: the peers' keys of these ids, planned here like a full
             # sync; known from what a peer was last confirmed to hold, one publish
             primary = core.read_primary_keys(opts, ids)
             if not test:
-                base = core.snapshot_keys(opts, ids)
-                known = {peer: core.targeted_held(opts, peer, ids, base) for peer in peers}
+                base = memory.snapshot_keys(opts, ids)
+                known = {peer: memory.targeted_held(opts, peer, ids, base) for peer in peers}
             slow = [peer for peer in peers if not known.get(peer)]
             invs = self.ask(slow, ["minion_keys"], ids=ids) if slow else {}
         elif any(held.values()):
@@ -321,9 +321,9 @@ class Rounds:
                 log.exception("multimaster: sync of %s failed", peer)
                 res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
             if not test and not ids:
-                core.remember(opts, peer, categories, primary, inv or {}, res)
+                memory.remember(opts, peer, categories, primary, inv or {}, res)
             elif not test:
-                core.remember_targeted(opts, peer, known.get(peer), primary, res, inv)
+                memory.remember_targeted(opts, peer, known.get(peer), primary, res, inv)
             return res
 
         ret = {}

@@ -13,8 +13,8 @@ import sqlite3
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import (applier, history, keyscan, manifest, peer, protocol, restart,
-                              restore, seal, store, sync, validate)
+from salt_multimaster import (applier, history, keyscan, manifest, memory, peer, protocol,
+                              restart, restore, seal, store, sync, transport, validate)
 from tests.support.cluster import gen_keypair
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
@@ -73,9 +73,9 @@ def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=Fals
     assert not sync.unplannable(CATS, primary, inv, digests)
     ops, report = sync.plan("shared", CATS, primary, inv, force)
     ops = {c: o for c, o in ops.items() if o}
-    how = sync.transport(primary_opts, "m2", ops, sync.INLINE_LIMIT)
+    how = transport.transport(primary_opts, "m2", ops, transport.INLINE_LIMIT)
     assert how["mode"] == "inline" and how["error"] is None
-    sync.attach_contents(primary_opts, "m2", ops, primary, how)
+    transport.attach_contents(primary_opts, "m2", ops, primary, how)
 
     def unseal(blob, purpose):
         return seal.unseal(minion_priv, blob, "m2", purpose)
@@ -196,8 +196,8 @@ def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
     inv = peer.targeted_inventory(mopts, state, ["web1"])
     ops, report = sync.plan("shared", ["minion_keys"], primary, inv, False)
     assert report["minion_keys"]["added"] == ["minions/web1"]
-    how = sync.transport(primary_opts, "m2", ops, sync.INLINE_LIMIT)
-    sync.attach_contents(primary_opts, "m2", ops, primary, how)
+    how = transport.transport(primary_opts, "m2", ops, transport.INLINE_LIMIT)
+    transport.attach_contents(primary_opts, "m2", ops, primary, how)
     applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
     assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_bytes() == key
     assert not (tmp_path / "m2" / "pki" / "minions" / "other").exists()
@@ -220,8 +220,8 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     (srv / "a.sls").write_text("a: 1\n")
     primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
     inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
-    sync.remember(primary_opts, "m2", CATS, primary, inv, report)
-    held = sync.remembered(primary_opts, "m2", CATS)
+    memory.remember(primary_opts, "m2", CATS, primary, inv, report)
+    held = memory.remembered(primary_opts, "m2", CATS)
     assert sorted(held) == sorted(CATS)
     assert "pem" in held["master_keys"] and held["master_config"]["nodegroups"] == {}
 
@@ -229,14 +229,14 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     (pki / "minions" / "web2").write_bytes(gen_keypair(1024)[1])
     (srv / "a.sls").write_text("a: 2\n")
     primary = sync.read_primary(primary_opts, list(CATS), "shared", CONFIG_KEYS)
-    expected = sync.expected_inventory(held)
+    expected = memory.expected_inventory(held)
     expect = protocol.expectation(held)
     assert not sync.unplannable(CATS, primary, expected, protocol.expected_digests(expect))
     ops, report = sync.plan("shared", CATS, primary, expected, False)
     assert report["minion_keys"]["added"] == ["minions/web2"]
     assert report["file_roots"]["updated"] == ["base:a.sls"]
     ops = {c: o for c, o in ops.items() if o}
-    sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+    transport.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
     state = str(tmp_path / "m2-minion-state")
 
     def unseal(blob, purpose):
@@ -270,7 +270,7 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
 
 def _held(opts, peer, ids):
     """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
-    return sync.targeted_held(opts, peer, ids, sync.snapshot_keys(opts, ids))
+    return memory.targeted_held(opts, peer, ids, memory.snapshot_keys(opts, ids))
 
 
 def _same_bucket(mid, prefix):
@@ -287,12 +287,12 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
     peer answers with its keys.  ``(primary, report, first reply)``.
     """
     primary = sync.read_primary_keys(primary_opts, ids)
-    inv = sync.targeted_inventory(held)
+    inv = memory.targeted_inventory(held)
     expect = protocol.targeted_expectation(held["keys"], held["received"])
     for _ in range(2):
         ops, report = sync.plan("shared", ["minion_keys"], primary, inv, force)
         ops = {c: o for c, o in ops.items() if o}
-        sync.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
+        transport.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
         got = applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
                          expect=expect)
         if expect is not None:
@@ -302,7 +302,7 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
         inv, expect = got["inventory"], None
     sync.merge(report, got)
     result = not report["minion_keys"]["conflicts"] and not report["minion_keys"]["errors"]
-    sync.remember_targeted(primary_opts, "m2", held, primary,
+    memory.remember_targeted(primary_opts, "m2", held, primary,
                            {"result": result, "minion_keys": report["minion_keys"]}, inv)
     return primary, report, first
 
@@ -319,7 +319,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
     primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
     inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
-    sync.remember(primary_opts, "m2", CATS, primary, inv, report)
+    memory.remember(primary_opts, "m2", CATS, primary, inv, report)
     # nothing remembered of another peer: asked (two publishes)
     assert _held(primary_opts, "m3", ["web1"]) is None
 
@@ -335,7 +335,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert got["minion_keys"] == {"errors": [], "failed": []} and "inventory" not in got
     assert (ppki / "minions" / web2).read_bytes() == (pki / "minions" / web2).read_bytes()
     # remembered exactly: what the peer's own inventory digests, for a full sync too
-    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
         "digest"] == _peer_digest(mopts, tmp_path)
 
     # the same bucket again, the primary's snapshot unchanged: still known
@@ -348,7 +348,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert sorted(report["minion_keys"]["added"]) == [f"minions/{web3}",
                                                       f"minions_rejected/{web2}"]
     assert report["minion_keys"]["removed"] == [f"minions/{web2}"]
-    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
         "digest"] == _peer_digest(mopts, tmp_path)
     # a full read replaces the snapshot: what the peer holds is known all the same
     sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
@@ -367,7 +367,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
         "history"] == []
     assert all(report["minion_keys"][k] == [] for k in ("added", "removed", "conflicts"))
     assert _held(primary_opts, "m2", ["pend5"])["received"] == []
-    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
         "digest"] == _peer_digest(mopts, tmp_path)
     # accepted on the primary: one round again, and the key moved on the peer
     os.rename(pki / "minions_pre" / "pend5", pki / "minions" / "pend5")
@@ -376,7 +376,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert "inventory" not in got and report["minion_keys"]["added"] == ["minions/pend5"]
     assert report["minion_keys"]["removed"] == ["minions_pre/pend5"]
     assert _held(primary_opts, "m2", ["pend5"])["received"] == ["pend5"]
-    assert sync.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
+    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
         "digest"] == _peer_digest(mopts, tmp_path)
 
     # another key behind the primary's back, since the peer last confirmed
@@ -395,7 +395,7 @@ def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to
     assert report["minion_keys"]["added"] == ["minions/fresh4"]
     assert (ppki / "minions" / web3).read_bytes() == other
     assert _held(primary_opts, "m2", ["fresh4"]) is None
-    assert sync.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
+    assert memory.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
 
 
 def test_a_targeted_expectation_checks_the_key_history_too(pair):
@@ -407,13 +407,13 @@ def test_a_targeted_expectation_checks_the_key_history_too(pair):
     sha = manifest.key_sha(key)
     # the peer holds the key, never received from the primary: not as expected
     expect = protocol.targeted_expectation({"web1": {"minions": sha}}, ["web1"])
-    held, inv = applier.check_expected(mopts, state, expect, "shared", None)
+    held, inv = peer.check_expected(mopts, state, expect, "shared", None)
     assert held is False and inv["minion_keys"]["history"] == []
-    assert applier.check_expected(mopts, state, protocol.targeted_expectation(
+    assert peer.check_expected(mopts, state, protocol.targeted_expectation(
         {"web1": {"minions": sha}}, []), "shared", None)[0] is True
     # a damaged key on the peer is never "as expected": the inventory names it
     (tmp_path / "m2" / "pki" / "minions" / "web1").write_text("not a key")
-    held, inv = applier.check_expected(mopts, state, protocol.targeted_expectation(
+    held, inv = peer.check_expected(mopts, state, protocol.targeted_expectation(
         {"web1": {}}, []), "shared", None)
     assert held is False and inv["minion_keys"]["errors"]
     for bad in ({"minion_keys": {"ids": {"../x": {}}, "received": []}},

@@ -19,7 +19,7 @@ import shutil
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import protocol, rounds, statefile, sync
+from salt_multimaster import memory, protocol, rounds, statefile, sync
 from tests.conftest import REPO
 from tests.support.cluster import gen_keypair
 from tests.unit import test_contract as contract
@@ -152,7 +152,7 @@ def test_every_damaged_state_file_converges_within_two_syncs(world, tmp_path, ca
     sides = [tmp_path / "m1" / "cache" / "multimaster", world.state_dir,
              tmp_path / "m2" / "cache" / "multimaster"]
     # the peer's memory on the primary and the drop-in the peer owns
-    sync.remember(world.primary_opts, PEER, list(CATS),
+    memory.remember(world.primary_opts, PEER, list(CATS),
                   sync.read_primary(world.primary_opts, list(CATS), "shared", CONFIG_KEYS),
                   {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}, res)
     files = state_files(*sides) + [pathlib.Path(protocol.dropin_path(world.mopts))]

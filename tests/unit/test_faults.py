@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from salt_multimaster import fsutil, grants, keyscan, lock, manifest, replicate, rootscan, sync
+from salt_multimaster import (fsutil, grants, keyscan, lock, manifest, replicate, rootscan, sync,
+                              transport)
 from tests.support.cluster import gen_keypair
 from tests.support.keys import digest_of_keys
 
@@ -308,7 +309,7 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     (pull / "aa11").write_text(json.dumps({"expires": time.time() - 1}))
     (pull / "aa11.jids").write_text(jid + "\n")
     (pull / "bb22").write_text(json.dumps({"expires": time.time() + 600}))
-    sync.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, str(tmp_path / "cache" / "jobs"),
+    transport.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, str(tmp_path / "cache" / "jobs"),
                                                                 "sha256"))
     assert sorted(os.listdir(pull)) == ["bb22"]
     assert not os.path.exists(job)

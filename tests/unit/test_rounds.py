@@ -9,7 +9,8 @@ import socket
 
 import pytest
 
-from salt_multimaster import applier, history, manifest, peer, protocol, rounds, seal, sync
+from salt_multimaster import (applier, history, manifest, peer, protocol, rounds, seal, sync,
+                              transport)
 from tests.support.cluster import gen_keypair
 from tests.unit import test_contract as contract
 from tests.unit.test_contract import CATS, CONFIG_KEYS, _assert_replica, _read_dropin
@@ -82,7 +83,7 @@ class _Job:
 def _conf():
     return {"peers": [PEER], "topology": "shared", "replicate": list(CATS),
             "master_config_keys": CONFIG_KEYS, "timeout": 30, "rescan": False,
-            "inline_limit": sync.INLINE_LIMIT, "pull_min_files": sync.PULL_MIN_FILES,
+            "inline_limit": transport.INLINE_LIMIT, "pull_min_files": transport.PULL_MIN_FILES,
             "backup_keep": sync.BACKUP_KEEP}
 
 

@@ -2,7 +2,7 @@
 
 import os
 
-from salt_multimaster import manifest, replicate, store, sync
+from salt_multimaster import manifest, memory, replicate, store, sync
 from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -104,7 +104,7 @@ def test_a_previous_state_that_does_not_match_its_digests_is_not_trusted():
 
 def _held(opts, peer, ids):
     """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
-    return sync.targeted_held(opts, peer, ids, sync.snapshot_keys(opts, ids))
+    return memory.targeted_held(opts, peer, ids, memory.snapshot_keys(opts, ids))
 
 
 def _snapshot_of(tmp_path, man):
@@ -130,7 +130,7 @@ def _keys_primary(man, ids):
 def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(tmp_path):
     before = {"minions": {"web1": A, "web2": B}, "minions_pre": {"new1": C}}
     opts = _snapshot_of(tmp_path, before)
-    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
+    memory.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
     held = _held(opts, "p", ["web2", "new1", "gone"])
     assert held["keys"] == {"web2": {"minions": B}, "new1": {"minions_pre": C}, "gone": {}}
@@ -140,14 +140,14 @@ def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(
     primary = _keys_primary(now, ["web2", "new1", "gone"])
     ids_inv = {"minion_keys": {"manifest": {"minions": {"web2": B}, "minions_pre": {"new1": C}},
                                "history": ["new1", "web2"], "errors": []}}
-    assert (sync.plan("shared", ["minion_keys"], primary, sync.targeted_inventory(held), False)
+    assert (sync.plan("shared", ["minion_keys"], primary, memory.targeted_inventory(held), False)
             == sync.plan("shared", ["minion_keys"], primary, ids_inv, False))
-    ops, report = sync.plan("shared", ["minion_keys"], primary, sync.targeted_inventory(held),
+    ops, report = sync.plan("shared", ["minion_keys"], primary, memory.targeted_inventory(held),
                             False)
     assert sorted(report["minion_keys"]["removed"]) == ["minions/web2", "minions_pre/new1"]
-    sync.remember_targeted(opts, "p", held, primary, {"result": True, "minion_keys": report[
-        "minion_keys"]}, sync.targeted_inventory(held))
-    assert sync.remembered(opts, "p", ["minion_keys"])["minion_keys"]["digest"] == (
+    memory.remember_targeted(opts, "p", held, primary, {"result": True, "minion_keys": report[
+        "minion_keys"]}, memory.targeted_inventory(held))
+    assert memory.remembered(opts, "p", ["minion_keys"])["minion_keys"]["digest"] == (
         digest_of_keys(now))
 
 
@@ -155,7 +155,7 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
     before = {"minions": {"web1": A}}
     opts = _snapshot_of(tmp_path, before)
     assert _held(opts, "p", ["web1"]) is None  # never synced
-    sync.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
+    memory.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
     # the snapshot does not hold what the peer was confirmed to hold there
     assert _held(opts, "p", ["web1"]) is None
@@ -163,19 +163,19 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
     assert _held(opts, "p", ["web1"]) is None
     # a sync that left conflicts forgets; so does one where the peer held otherwise
     opts2 = _snapshot_of(tmp_path / "2", before)
-    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
+    memory.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
     held = _held(opts2, "p", ["web1"])
     rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
-    sync.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
-                           {"result": False, "minion_keys": rep}, sync.targeted_inventory(held))
-    assert sync.remembered(opts2, "p", ["minion_keys"]) is None
+    memory.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
+                           {"result": False, "minion_keys": rep}, memory.targeted_inventory(held))
+    assert memory.remembered(opts2, "p", ["minion_keys"]) is None
     # a peer that refused the condition (an older one): forgotten too
-    sync.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
+    memory.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
         before)}}, {}, {"minion_keys": replicate.empty_report()})
-    sync.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
+    memory.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
         before, ["web1"]), {"result": True, "minion_keys": replicate.empty_report()}, None)
-    assert sync.remembered(opts2, "p", ["minion_keys"]) is None
+    assert memory.remembered(opts2, "p", ["minion_keys"]) is None
 
 
 # ----- the periodic full verify (multimaster:verify_interval) -----------------
