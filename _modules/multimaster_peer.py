@@ -334,11 +334,11 @@ def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=No
     master_restart = _restart_master()
     try:
         ret = applier.apply(mopts, _state_dir(), args["ops"], args["topology"],
-                         args["backup_keep"], _unseal, _fetch, master_restart, pull=_pull,
-                         pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
-                         keys_digest=args["keys_digest"], expect=args["expect"],
-                         config_keys=args["config_keys"], after=_after_return,
-                         confirm=args["confirm"])
+                            args["backup_keep"], _unseal, _fetch, master_restart, pull=_pull,
+                            pull_token=args["pull_token"], pull_chunks=args["pull_chunks"],
+                            keys_digest=args["keys_digest"], expect=args["expect"],
+                            config_keys=args["config_keys"], after=_after_return,
+                            confirm=args["confirm"])
     except validate.InvalidInput as exc:
         return _reply(_refused("multimaster_peer.apply", exc))
     except (peer.PeerError, protocol.ProtocolError) as exc:
@@ -373,7 +373,7 @@ def restore(backup_name=None, test=False, sealed=None, epoch=None):
         return refused
     try:
         ret = restoring.restore(mopts, _state_dir(), args["backup_name"], args["test"],
-                           _restart_master())
+                                _restart_master())
     except peer.PeerError as exc:
         raise CommandExecutionError(str(exc)) from None
     return _reply(ret)
@@ -400,8 +400,8 @@ def collect(items=None, reply_to=None, reply_pub=None, sealed=None, epoch=None):
     if (not isinstance(args["items"], list) or not all(isinstance(i, str) for i in args["items"])
             or not isinstance(args["reply_to"], str) or not isinstance(args["reply_pub"], str)):
         return _reply(_refused("multimaster_peer.collect",
-                                "items (a list of item names), reply_to and reply_pub "
-                                "are required"))
+                               "items (a list of item names), reply_to and reply_pub "
+                               "are required"))
     mopts = _master_opts()
     refused = _fenced("multimaster_peer.collect", mopts, sealed, args["epoch"])
     if refused:

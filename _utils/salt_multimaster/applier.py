@@ -405,10 +405,11 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
     protocol: per category the failures, ``restart``, ``backup``.  Raise
     :class:`validate.InvalidInput` for operations it refuses (nothing
     applied).  ``keys_digest``: the primary's minion key digests, for the
-    history record (:func:`record_history`).  That record, and the keys
-    Salt made pending again while they were accepted (:func:`keep_accepted`),
-    are handed to ``after`` to run once the job has returned
-    (:func:`record_after_return`; default: run before this returns).
+    history record (:func:`salt_multimaster.history.record_history`).
+    That record, and the keys Salt made pending again while they were
+    accepted (:func:`keep_accepted`), are handed to ``after`` to run once
+    the job has returned (:func:`salt_multimaster.peer.record_after_return`;
+    default: run before this returns).
 
     ``confirm``: the primary's digests of the other categories
     (``{category: bucket digests}``, ``master_config``: ``{option:
@@ -417,10 +418,10 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
 
     ``expect`` (a change sync, or a targeted key sync, in one round trip):
     apply only if this peer holds what the primary expects
-    (:func:`check_expected`); else apply nothing and answer ``{"backup":
-    None, "inventory": ...}``.  When it does, the reply of a full sync
-    carries what the inventory says of the master (``master_running``,
-    ``master_address``, ``restart_pending``).
+    (:func:`salt_multimaster.peer.check_expected`); else apply nothing and
+    answer ``{"backup": None, "inventory": ...}``.  When it does, the reply
+    of a full sync carries what the inventory says of the master
+    (``master_running``, ``master_address``, ``restart_pending``).
     """
     if ops is not None:
         ops = validate.ops(ops)  # refused before anything is read, locked or written

@@ -129,7 +129,7 @@ def carry(ops, peer, items):
         step.update(result=False, comment=f"nothing written: {exc}")
         return step
     app = applier.Applier(ops.opts, layout.state_dir(ops.opts),
-                       lambda blob, purpose: ops.unseal(blob, f"failback/{purpose}"))
+                          lambda blob, purpose: ops.unseal(blob, f"failback/{purpose}"))
     try:
         applied = applier.apply_categories(app, todo, ops.conf["topology"], lambda _ops: {})
     except BaseException:
@@ -223,4 +223,3 @@ def failback(ops, peer, test=False, keep=None):
                      "comment": ("every peer holds the primary's state" if not failed else
                                  f"not a replica: {', '.join(failed)} (see changes)")}
     return report.steps_done(ret)
-

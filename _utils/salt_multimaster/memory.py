@@ -94,7 +94,7 @@ def expected_inventory(held):
     The inventory of a peer holding ``held`` (:func:`remembered`) as it
     answers the digests of ``held``: digests only, nothing detailed.  Plan
     with it (the buckets the primary changed since are taken from its
-    previous state, checked by :func:`unplannable`).
+    previous state, checked by :func:`salt_multimaster.sync.unplannable`).
     """
     inv = {}
     for cat, entry in held.items():

@@ -32,6 +32,8 @@ LOCK_WAIT = 60.0
 # The key history record of an apply starts this long after the apply
 # returned, in the job's process, so that the job's return goes out first.
 RECORD_DELAY = 0.05
+
+
 def locked(state_dir, wait=LOCK_WAIT):
     """
     ``with locked(state_dir):`` one job at a time on this peer's sync state

@@ -184,7 +184,7 @@ class Rounds:
         ret = {"result": True}
         ret.update(plan_report)
         how = transport.transport(self.opts, peer, ops, conf["inline_limit"],
-                             conf["pull_min_files"]) if ops else None
+                                  conf["pull_min_files"]) if ops else None
         if how and how["error"]:
             ret["result"] = False
             ret["error"] = how["error"]

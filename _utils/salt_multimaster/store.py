@@ -29,7 +29,7 @@ Tables (schema :data:`SCHEMA`, in SQLite's ``user_version``):
     replicated options (``confirmed:master_config``).
 
 A peer's records (:mod:`salt_multimaster.confirmed`, the key history of
-:mod:`salt_multimaster.peer`):
+:mod:`salt_multimaster.history`):
 
 ``confirmed``
     ``(category, bucket) -> digest, part (JSON)``: each bucket as the peer
@@ -49,10 +49,13 @@ the primary as a conflict, never as a deletion).  Never trusted.
 
 import contextlib
 import json
+import logging
 import os
 import sqlite3
 
 from salt_multimaster import statefile
+
+log = logging.getLogger(__name__)
 
 NAME = "state.sqlite"
 SCHEMA = 1
@@ -80,8 +83,26 @@ CREATE TABLE history (id TEXT PRIMARY KEY, bucket TEXT NOT NULL);
 CREATE INDEX history_bucket ON history (bucket);
 """
 
-#: how long a writer waits for another process's transaction (seconds)
-BUSY_TIMEOUT = 30
+#: how long a writer waits for another process's transaction (seconds): a
+#: scan holds the store for the whole read of its tree
+BUSY_TIMEOUT = 300
+
+
+class Busy(Exception):
+    """
+    Another process held the store past :data:`BUSY_TIMEOUT` (a scan of a
+    large tree, say): not damage, nothing moved aside.
+    """
+
+
+def _busy(path, exc):
+    """A :class:`Busy` for the SQLite error ``exc`` when it says the store is locked, else None."""
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11 and later
+    locked = code in (5, 6) if code is not None else "locked" in str(exc)  # SQLITE_BUSY, _LOCKED
+    if not locked:
+        return None
+    return Busy(f"{path}: held by another multimaster process for more than {BUSY_TIMEOUT} s "
+                "(a scan of a large tree?)")
 
 
 class Store:
@@ -97,8 +118,14 @@ class Store:
             statefile.makedirs(state_dir, os.path.dirname(state_dir))
         try:
             self.db = self._open()
-        except (sqlite3.DatabaseError, statefile.Damaged) as exc:
-            set_aside(state_dir, exc.why if isinstance(exc, statefile.Damaged) else str(exc))
+        except statefile.Damaged as exc:
+            set_aside(state_dir, exc.why)
+            self.db = self._open()
+        except sqlite3.DatabaseError as exc:
+            busy = _busy(self.path, exc)
+            if busy:
+                raise busy from None
+            set_aside(state_dir, str(exc))
             self.db = self._open()
 
     def _open(self):
@@ -182,7 +209,6 @@ class Store:
             return rows[0][4]
         return None
 
-
     def forget_hashes(self, tree):
         """
         Drop the hashes :func:`record_hashes` kept of files under the
@@ -204,11 +230,14 @@ def scanning(state_dir, read, rescan, watch):
     ``read(rescan, watch)``, a scanner's read of its tree into the store of
     ``state_dir``; when the store proves damaged under it, the store is
     moved aside (:func:`set_aside`) and everything is read again, without
-    the journal's word.
+    the journal's word.  :class:`Busy` when another process held it too long.
     """
     try:
         read(rescan, watch)
     except sqlite3.DatabaseError as exc:
+        busy = _busy(os.path.join(state_dir, NAME), exc)
+        if busy:
+            raise busy from None
         set_aside(state_dir, exc)
         read(rescan, None)
 
@@ -236,11 +265,19 @@ def read(state_dir, query):
     path = os.path.join(state_dir, NAME)
     if not os.path.isfile(path):
         return None
-    found = Store(state_dir)
+    try:
+        found = Store(state_dir)
+    except Busy as exc:
+        log.warning("multimaster: %s: not used", exc)
+        return None
     try:
         return query(found)
     except sqlite3.DatabaseError as exc:
-        statefile.notice(path, str(exc), "not used: what it holds is read again")
+        busy = _busy(path, exc)
+        if busy:
+            log.warning("multimaster: %s: not used", busy)
+        else:
+            statefile.notice(path, str(exc), "not used: what it holds is read again")
         return None
     finally:
         found.close()
@@ -249,29 +286,38 @@ def read(state_dir, query):
 def record(state_dir, write, what, durable=True):
     """
     ``write(store)`` in one transaction on the store of ``state_dir``,
-    flushed (``durable``: a peer's record).  A store found damaged is moved aside
-    (:func:`set_aside`) and ``write`` runs once more on the new one: the
+    flushed (``durable``: a peer's record).  A store found damaged is moved
+    aside (:func:`set_aside`) and ``write`` runs once more on the new one: the
     rows it writes, and no other (what the old store held reads as not
-    recorded); a store that cannot be written at all is logged (``what``
-    not recorded).
+    recorded); a store another process holds past :data:`BUSY_TIMEOUT`, or
+    that cannot be written at all, is logged (``what`` not recorded).
     """
+    path = os.path.join(state_dir, NAME)
     for attempt in (1, 2):
         try:
             found = Store(state_dir)
+        except Busy as exc:
+            log.warning("multimaster: %s: %s not recorded", exc, what)
+            return
         except (OSError, sqlite3.DatabaseError, statefile.Damaged) as exc:
-            statefile.notice(os.path.join(state_dir, NAME), str(exc), f"{what} not recorded")
+            log.warning("multimaster: %s: %s: %s not recorded", path, exc, what)
             return
         try:
             with found.write(durable=durable):
                 write(found)
             return
         except sqlite3.DatabaseError as exc:
-            if attempt == 1:
-                set_aside(state_dir, exc)
-            else:
-                statefile.notice(found.path, str(exc), f"{what} not recorded")
+            error = exc
         finally:
             found.close()
+        busy = _busy(path, error)
+        if busy:
+            log.warning("multimaster: %s: %s not recorded", busy, what)
+            return
+        if attempt == 1:
+            set_aside(state_dir, error)
+        else:
+            log.warning("multimaster: %s: %s: %s not recorded", path, error, what)
 
 
 def record_hashes(state_dir, entries):
@@ -280,7 +326,11 @@ def record_hashes(state_dir, entries):
     ``state_dir`` (:meth:`Store.known_hash`); a store that cannot be
     written is logged: those files are read again.
     """
-    found = Store(state_dir)
+    try:
+        found = Store(state_dir)
+    except Busy as exc:
+        log.warning("multimaster: %s: the files written are read again", exc)
+        return
     try:
         with found.write():
             found.db.executemany(

@@ -239,7 +239,7 @@ def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out
     (out / "victim").write_text("not a key of this master")
     os.symlink(str(out), pki / "minions_pre")
     app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
-                       str(tmp_path / "state"), None)
+                          str(tmp_path / "state"), None)
     key = "-----BEGIN PUBLIC KEY-----\nx\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "state": "minions_pre", "id": "web1", "sha256": manifest.key_sha(key.encode()),
             "data": key},
@@ -301,7 +301,7 @@ def test_apply_backs_up_every_replaced_key_with_a_stat_for_a_few_and_one_listing
     monkeypatch.setattr(applier.os, "listdir",
                         lambda d: listed.append(os.path.basename(d)) or real_listdir(d))
     app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
-                       str(tmp_path / "state"), None)
+                          str(tmp_path / "state"), None)
     ops = [{"op": "write", "state": "minions", "id": f"m{i:03d}", "data": new,
             "sha256": manifest.key_sha(new.encode())} for i in range(count)]
     report = applier.apply_minion_keys(app, ops)

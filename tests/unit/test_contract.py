@@ -85,8 +85,8 @@ def _roundtrip(primary_opts, mopts, minion_priv, tmp_path, sent=None, force=Fals
                 for op in file_ops}
 
     applied = applier.apply(mopts, peer_state, ops, "shared", 10, unseal, fetch,
-                         restart or (lambda: "restart_required"),
-                         keys_digest=primary["minion_keys"]["digest"])
+                            restart or (lambda: "restart_required"),
+                            keys_digest=primary["minion_keys"]["digest"])
     sync.merge(report, applied)
     return primary, ops, report, applied
 
@@ -250,7 +250,7 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     (tmp_path / "m2" / "srv" / "local.sls").write_text("mine\n")
     _read_dropin(mopts)
     got = applier.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
-                     expect=expect, config_keys=CONFIG_KEYS)
+                        expect=expect, config_keys=CONFIG_KEYS)
     assert set(got) == {"backup", "inventory"} and got["backup"] is None
     assert got["inventory"]["file_roots"]["buckets"]
     assert not (tmp_path / "m2" / "pki" / "minions" / "web2").exists()
@@ -260,7 +260,7 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     (tmp_path / "m2" / "srv" / "local.sls").unlink()
     # as expected: applied in the one round trip, the master's state with it
     got = applier.apply(mopts, state, ops, "shared", 10, unseal, fetch, lambda: None,
-                     expect=expect, config_keys=CONFIG_KEYS)
+                        expect=expect, config_keys=CONFIG_KEYS)
     assert got["master_running"] is False and got["restart"] is None
     assert got["minion_keys"] == {"errors": [], "failed": []}
     _assert_replica(primary_opts, mopts)
@@ -294,7 +294,7 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
         ops = {c: o for c, o in ops.items() if o}
         transport.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
         got = applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
-                         expect=expect)
+                            expect=expect)
         if expect is not None:
             first = got
         if "inventory" not in got:
@@ -303,7 +303,7 @@ def _targeted(primary_opts, mopts, state, ids, held, force=False):
     sync.merge(report, got)
     result = not report["minion_keys"]["conflicts"] and not report["minion_keys"]["errors"]
     memory.remember_targeted(primary_opts, "m2", held, primary,
-                           {"result": result, "minion_keys": report["minion_keys"]}, inv)
+                             {"result": result, "minion_keys": report["minion_keys"]}, inv)
     return primary, report, first
 
 
@@ -422,7 +422,7 @@ def test_a_targeted_expectation_checks_the_key_history_too(pair):
                 {"minion_keys": {"ids": {"a": {}}, "received": []}, "file_roots": {}}):
         with pytest.raises(validate.InvalidInput):
             applier.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
-                       expect=bad)
+                          expect=bad)
     assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
 
 

@@ -309,7 +309,7 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
     # an apply that removed m3 (so the history lost it) and then wrote it back
     # unchanged elsewhere: its bucket is read again
     history.update_history(state, [{"op": "remove", "state": "minions", "id": "m3"}],
-                        {"updated": [], "removed": ["minions/m3"]})
+                           {"updated": [], "removed": ["minions/m3"]})
     assert "m3" not in history.read_history(state)
     assert record() == [manifest.bucket_of("m3")] and "m3" in history.read_history(state)
     # the history rewritten by anyone else (another generation than the

@@ -78,7 +78,7 @@ def _read_whole(path):
     or a restart's pid file's content is not read by a sync).
     """
     return not path.parent.name.endswith(".d") and path.suffix not in (".lock", ".clock",
-                                                                        ".pending")
+                                                                       ".pending")
 
 
 class PeerSalt(FakeSalt):
@@ -153,8 +153,8 @@ def test_every_damaged_state_file_converges_within_two_syncs(world, tmp_path, ca
              tmp_path / "m2" / "cache" / "multimaster"]
     # the peer's memory on the primary and the drop-in the peer owns
     memory.remember(world.primary_opts, PEER, list(CATS),
-                  sync.read_primary(world.primary_opts, list(CATS), "shared", CONFIG_KEYS),
-                  {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}, res)
+                    sync.read_primary(world.primary_opts, list(CATS), "shared", CONFIG_KEYS),
+                    {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}, res)
     files = state_files(*sides) + [pathlib.Path(protocol.dropin_path(world.mopts))]
     # the store of each side (the scans and the peer's memory; the peer's
     # records and key history), the peer's lock and restart markers, the drop-in

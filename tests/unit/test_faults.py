@@ -310,7 +310,7 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     (pull / "aa11.jids").write_text(jid + "\n")
     (pull / "bb22").write_text(json.dumps({"expires": time.time() + 600}))
     transport.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, str(tmp_path / "cache" / "jobs"),
-                                                                "sha256"))
+                                                                  "sha256"))
     assert sorted(os.listdir(pull)) == ["bb22"]
     assert not os.path.exists(job)
 

@@ -18,7 +18,7 @@ def _apply(state, added=(), removed=()):
     ops = [{"op": "write", "state": "minions", "id": mid} for mid in added]
     ops += [{"op": "remove", "state": "minions", "id": mid} for mid in removed]
     history.update_history(state, ops, {"updated": [f"minions/{m}" for m in added],
-                                     "removed": [f"minions/{m}" for m in removed]})
+                                        "removed": [f"minions/{m}" for m in removed]})
 
 
 def _rows(state):

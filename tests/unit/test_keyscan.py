@@ -6,6 +6,7 @@ whatever the store held, whatever the journal said.
 
 import os
 import random
+import sqlite3
 
 import pytest
 
@@ -169,6 +170,33 @@ def test_a_damaged_store_is_rebuilt_by_a_full_scan(pki, tmp_path, how, reads):
     assert _scan(pki, state)[1] == first and len(reads) == 31
     assert [p.name for p in state.iterdir() if ".damaged-" in p.name]  # kept for inspection
     assert oct((state / store.NAME).stat().st_mode & 0o777) == "0o600"
+
+
+def test_a_store_held_by_another_process_is_busy_never_damaged(pki, tmp_path, monkeypatch,
+                                                                caplog):
+    """
+    Another scan's transaction outlasting the wait is not damage: the scan
+    fails, named, and nothing is moved aside; reads and records of the
+    store are not used or not written, logged; all works once it is free.
+    """
+    state = tmp_path / "state"
+    first = _scan(pki, state)[1]
+    monkeypatch.setattr(store, "BUSY_TIMEOUT", 0.1)
+    holder = sqlite3.connect(state / store.NAME, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # a scan of another process, under way
+    try:
+        (pki / "minions" / "new1").write_bytes(gen_keypair(1024)[1])
+        with pytest.raises(store.Busy, match="held by another multimaster process"):
+            _scan(pki, state)
+        store.record(str(state), lambda found: found.set_meta("x", 1), "the test's row")
+        assert "the test's row not recorded" in caplog.text
+        assert store.read(str(state), lambda found: found.meta("x")) is None
+        assert not [p.name for p in state.iterdir() if ".damaged-" in p.name]
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    again = _scan(pki, state)[1]
+    assert again["counts"]["minions"] == first["counts"]["minions"] + 1
 
 
 def test_a_scan_of_another_pki_dir_starts_afresh(pki, tmp_path):

@@ -356,7 +356,7 @@ class FailbackSalt(test_rounds.FakeSalt):
     def _run(self, fun, request):
         if fun == "multimaster_peer.collect":
             return restore.collect(self.mopts, request["items"], request["reply_to"],
-                                request["reply_pub"])
+                                   request["reply_pub"])
         return super()._run(fun, request)
 
 
@@ -500,9 +500,10 @@ def test_a_collect_reads_only_inside_the_pki_dir_and_roots(fake, tmp_path):
     with open(f"{fake.primary_opts['pki_dir']}/master.pub", encoding="utf-8") as fh:
         pub = fh.read()
     got = restore.collect(fake.mopts, ["minion_keys/minions/newbie", "file_roots/base/../etc/x",
-                                    "minion_keys/minions/../../etc", "master_keys/master.pem",
-                                    "file_roots/nosuchenv/a.sls", "file_roots/base/app/init.sls"],
-                       "m1_master", pub)
+                                       "minion_keys/minions/../../etc", "master_keys/master.pem",
+                                       "file_roots/nosuchenv/a.sls",
+                                       "file_roots/base/app/init.sls"],
+                          "m1_master", pub)
     assert sorted(got["items"]) == ["file_roots/base/app/init.sls", "minion_keys/minions/newbie"]
     assert len(got["errors"]) == 4
     item = got["items"]["file_roots/base/app/init.sls"]
@@ -540,7 +541,7 @@ def test_a_collect_fits_in_a_return(fake):
     _write(f"{tmp}/m2/srv/half1", b"y" * (restore.COLLECT_MAX_BYTES // 2 + 1))
     _write(f"{tmp}/m2/srv/half2", b"y" * (restore.COLLECT_MAX_BYTES // 2 + 1))
     got = restore.collect(fake.mopts, ["file_roots/base/big.bin", "file_roots/base/half1",
-                                    "file_roots/base/half2"], "m1_master", pub)
+                                       "file_roots/base/half2"], "m1_master", pub)
     assert list(got["items"]) == ["file_roots/base/half1"]
     assert [e.split(":")[0] for e in got["errors"]] == ["file_roots/base/big.bin",
                                                         "file_roots/base/half2"]

@@ -127,7 +127,7 @@ def test_a_scan_follows_inner_dir_symlinks_once_and_globs_in_subdirs(tmp_path):
 
 
 def test_the_first_root_serving_a_path_wins_and_shadows_its_errors(tree, tmp_path,
-                                                                 monkeypatch):
+                                                                   monkeypatch):
     a, b = tree
     opts = _opts(a, b)
     got = _full(opts, tmp_path)["file_roots"]["manifest"]

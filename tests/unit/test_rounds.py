@@ -49,10 +49,10 @@ class FakeSalt:
                                   request.get("config_keys"), rescan=bool(request.get("rescan")))
         assert fun == "multimaster_peer.apply" and "pull_token" not in request
         return applier.apply(self.mopts, self.state_dir, request["ops"], request["topology"],
-                          request["backup_keep"], self.unseal, self.fetch,
-                          lambda *args: "restarting", keys_digest=request.get("keys_digest"),
-                          expect=request.get("expect"), config_keys=request.get("config_keys"),
-                          confirm=request.get("confirm"))
+                             request["backup_keep"], self.unseal, self.fetch,
+                             lambda *args: "restarting", keys_digest=request.get("keys_digest"),
+                             expect=request.get("expect"), config_keys=request.get("config_keys"),
+                             confirm=request.get("confirm"))
 
     def unseal(self, blob, purpose):
         return seal.unseal(self.minion_priv, blob, PEER, purpose)
@@ -192,10 +192,10 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
             return run(fun, request)
         _read_dropin(fake.mopts)
         return applier.apply(fake.mopts, fake.state_dir, request["ops"], request["topology"],
-                          request["backup_keep"], fake.unseal, fake.fetch,
-                          lambda *args: "restarting", keys_digest=request.get("keys_digest"),
-                          expect=request.get("expect"), config_keys=request.get("config_keys"),
-                          after=left.append, confirm=request.get("confirm"))
+                             request["backup_keep"], fake.unseal, fake.fetch,
+                             lambda *args: "restarting", keys_digest=request.get("keys_digest"),
+                             expect=request.get("expect"), config_keys=request.get("config_keys"),
+                             after=left.append, confirm=request.get("confirm"))
 
     fake._run = apply_leaving_the_record
     with open(f"{tmp_path}/m1/pki/minions/web4", "wb") as fh:

@@ -88,7 +88,7 @@ def test_without_the_previous_state_the_peer_is_asked_again():
     current = _primary("minion_keys", now, now, previous=False)
     inv_now = _inventory("minion_keys", now, current["minion_keys"]["digest"])
     assert not sync.unplannable(["minion_keys"], current, inv_now,
-                                   {"minion_keys": current["minion_keys"]["digest"]})
+                                {"minion_keys": current["minion_keys"]["digest"]})
 
 
 def test_a_previous_state_that_does_not_match_its_digests_is_not_trusted():
@@ -168,7 +168,7 @@ def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(
     held = _held(opts2, "p", ["web1"])
     rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
     memory.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
-                           {"result": False, "minion_keys": rep}, memory.targeted_inventory(held))
+                             {"result": False, "minion_keys": rep}, memory.targeted_inventory(held))
     assert memory.remembered(opts2, "p", ["minion_keys"]) is None
     # a peer that refused the condition (an older one): forgotten too
     memory.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
