@@ -23,8 +23,7 @@ import salt.utils.yaml
 from salt_multimaster import (backup, compat, confirmed, fsutil, history, keyscan, layout,
                               manifest, protocol, replicate, revocation, rootscan, seal,
                               statefile, store, validate)
-from salt_multimaster import peer
-from salt_multimaster.peer import PeerError, locked
+from salt_multimaster.peer import PeerError, check_expected, locked
 
 log = logging.getLogger(__name__)
 
@@ -542,7 +541,7 @@ def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
            pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm):
     status = {}
     if expect is not None:
-        held, inv = peer.check_expected(mopts, state_dir, expect, topology, config_keys)
+        held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
         if not held:
             return {"backup": None, "inventory": inv}
         status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")
