@@ -164,9 +164,13 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
 # teardown, so a module's sum is what it costs; session fixtures (the wheel
 # build) count in the first test that asks for them.
 _SPENT = {"dirs": {}, "modules": {}}
+_FAILED = []  # "FAILED <nodeid> (<phase>, <s>)": printed last, pytest_unconfigure
 
 
 def pytest_runtest_logreport(report):
+    if report.failed:
+        _FAILED.append(f"{'FAILED' if report.when == 'call' else 'ERROR'} {report.nodeid}"
+                       f" ({report.when}, {report.duration:.0f} s)")
     path = report.nodeid.split("::", 1)[0]
     parts = path.split("/")
     top = "/".join(parts[:2]) if len(parts) > 2 else path
@@ -189,6 +193,18 @@ def pytest_testnodedown(node, error):  # pylint: disable=unused-argument
         entry = cluster_spent.setdefault(what, [0, 0.0])
         entry[0] += count
         entry[1] += seconds
+
+
+def pytest_unconfigure(config):
+    """
+    The failed tests, one short line each, printed last (after pytest's own
+    summary, whose messages can run for pages): the tail of a CI log names them.
+    """
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if _FAILED and reporter is not None:
+        reporter.write_sep("=", f"{len(_FAILED)} failed (setup, call or teardown)")
+        for line in _FAILED:
+            reporter.write_line(line)
 
 
 def pytest_terminal_summary(terminalreporter):
