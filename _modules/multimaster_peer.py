@@ -547,7 +547,8 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
         try:
             if topology == "shared":
                 if not isinstance(keypair, dict) or not keypair.get("sealed"):
-                    raise rotation.RotationError("topology shared: no sealed keypair in the request")
+                    raise rotation.RotationError(
+                        "topology shared: no sealed keypair in the request")
                 with open(os.path.join(__opts__["pki_dir"], "minion.pem"), "rb") as fh:
                     priv = seal.unseal(fh.read(), keypair["sealed"], __opts__["id"],
                                        "rotate_key/master.pem")

@@ -1127,14 +1127,16 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
     if reason:
         return _rot_invalid(f"multimaster.rotate_key: {__opts__['id']}: {reason}")
     if restart_cmd is not None and not isinstance(restart_cmd, str):
-        return _rot_invalid(f"multimaster.rotate_key: restart_cmd must be a command, not {restart_cmd!r}")
+        return _rot_invalid(f"multimaster.rotate_key: restart_cmd must be a command, "
+                            f"not {restart_cmd!r}")
     # the same command restarts this primary last: refused before any master is touched
     why = restart.impossible(restart_cmd, "salt-master", runs="salt-master") \
         if restart_cmd else None
     if why:
         return _rot_invalid(f"multimaster.rotate_key: {__opts__['id']}: {why}")
     if not conf_peers:
-        return _rot_invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass peers=")
+        return _rot_invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass "
+                            "peers=")
     rot = rotation.Rotation(_rot_salt(), topology, conf_peers, restart_cmd, tgt, tgt_type, **waits)
     ret = rot.check(fresh, test)
     if ret["result"] and not test:

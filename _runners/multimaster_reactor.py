@@ -50,6 +50,7 @@ def _public(*extra):
         return lambda func: func
     return guard.public(__virtualname__, _answer, extra)
 
+
 KEY_ACTS = ("accept", "reject", "delete", "accepted", "rejected", "pending", "denied")
 ALL = "*"
 

@@ -128,7 +128,8 @@ def _restart_args(ret, restart, restart_cmd, restart_delay):
                 __pillar__, "multimaster:minion_restart_delay", None, delimiter=":")
             if pillar_delay is not None:
                 validate.delay("pillar multimaster:minion_restart_delay", pillar_delay)
-        if restart_cmd is not None and (not isinstance(restart_cmd, str) or not restart_cmd.strip()):
+        if restart_cmd is not None and (not isinstance(restart_cmd, str)
+                                        or not restart_cmd.strip()):
             raise validate.InvalidInput(
                 f"restart_cmd must be a non-empty command string, not {restart_cmd!r}")
     except validate.InvalidInput as exc:

@@ -70,9 +70,8 @@ class Record:
 
     def __init__(self, state_dir, cat):
         self.state_dir, self.cat = state_dir, cat
-        rows = state_store.read(state_dir, lambda found: found.query(
-            "SELECT bucket, digest FROM confirmed WHERE cat = ?", (cat,)))
-        self.digest = dict(rows or ())
+        self.digest = dict(state_store.select(
+            state_dir, "SELECT bucket, digest FROM confirmed WHERE cat = ?", (cat,)))
         self.changed = {}
         self._parts = {}
 
@@ -83,8 +82,9 @@ class Record:
         if bucket not in self.digest:
             return None
         if bucket not in self._parts:
-            rows = state_store.read(self.state_dir, lambda found: found.query(
-                "SELECT part FROM confirmed WHERE cat = ? AND bucket = ?", (self.cat, bucket)))
+            rows = state_store.select(
+                self.state_dir, "SELECT part FROM confirmed WHERE cat = ? AND bucket = ?",
+                (self.cat, bucket))
             self._parts[bucket] = _load(rows[0][0]) if rows else None
         return self._parts[bucket]
 

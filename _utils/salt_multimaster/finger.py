@@ -45,7 +45,7 @@ def normalize(finger):
 
 
 def _colons(digest):
-    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+    return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
 
 
 def _pem_lines(text):

@@ -17,11 +17,6 @@ HISTORY = "history"
 RECORDED = "history_recorded"
 
 
-def _query(state_dir, sql, args=()):
-    """The rows of ``sql`` on the state store of ``state_dir`` (none: no store, or damaged)."""
-    return store.read(state_dir, lambda found: found.query(sql, args)) or []
-
-
 class KeyHistory:
     """
     The ids this peer received from the primary (the ``history`` table of
@@ -42,13 +37,13 @@ class KeyHistory:
         if bucket in self.changed:
             return set(self.changed[bucket])
         if bucket not in self._ids:
-            self._ids[bucket] = {mid for (mid,) in _query(
+            self._ids[bucket] = {mid for (mid,) in store.select(
                 self.state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
         return set(self._ids[bucket])
 
     def all(self):
         """Every id received (a set)."""
-        held = {mid for (mid,) in _query(self.state_dir, "SELECT id FROM history")}
+        held = {mid for (mid,) in store.select(self.state_dir, "SELECT id FROM history")}
         for bucket, ids in self.changed.items():
             held = {m for m in held if manifest.bucket_of(m) != bucket} | ids
         return held

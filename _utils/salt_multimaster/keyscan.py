@@ -302,7 +302,8 @@ def keys_state(pki_dir, ids, errors=None):
         for state in manifest.KEY_DIRS:
             path = os.path.join(pki_dir, state, mid)
             st = _stat_key(state, mid, path, None, errors)
-            sha = None if st is None else _key_sha(state, mid, path, st, state_store.no_hash, errors)
+            sha = None if st is None else _key_sha(state, mid, path, st, state_store.no_hash,
+                                                   errors)
             if sha is not None:
                 ret[state][mid] = sha
     return ret

@@ -200,7 +200,8 @@ def forget_fileserver_hashes(cachedir):
     path = os.path.join(cachedir, "roots", "hash")
     if not os.path.isdir(path):
         return False
-    gone = os.path.join(cachedir, "roots", f"{fsutil.TEMP_PREFIX}hash-{os.getpid()}-{time.time_ns()}")
+    gone = os.path.join(cachedir, "roots",
+                        f"{fsutil.TEMP_PREFIX}hash-{os.getpid()}-{time.time_ns()}")
     try:
         os.rename(path, gone)
     except OSError:

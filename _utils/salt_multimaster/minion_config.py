@@ -314,14 +314,12 @@ def overriding_files(conf_file, dropin, keys):
     if dropin not in files:
         return {"*": f"{dropin} is not read by the minion (not in its includes)"}
     ret = {}
-    for path in files[files.index(dropin) + 1 :]:
+    for path in files[files.index(dropin) + 1:]:
         data = _load_yaml_file(path)
         for key in keys:
             if key in data:
                 ret[key] = path
     return ret
-
-
 
 
 # ---------------------------------------------------------------------------

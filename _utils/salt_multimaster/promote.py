@@ -152,4 +152,3 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
     ret["next_steps"] = todo + _next_steps(
         opts, rec, new, lambda p: protocol.pull_allowed(opts.get("peer_run"), p))
     return report.steps_done(ret)
-

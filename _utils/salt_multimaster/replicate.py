@@ -194,7 +194,8 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None, damaged=None):
             safe = fsutil.safe_mode(mode)
             if theirs.get(rel) == [size, safe, sha]:
                 continue
-            ops.append({"op": WRITE, "env": env, "rel": rel, "mode": safe, "sha256": sha, "size": size})
+            ops.append({"op": WRITE, "env": env, "rel": rel, "mode": safe, "sha256": sha,
+                        "size": size})
             report["updated" if rel in theirs else "added"].append(f"{env}:{rel}")
             if safe != mode:
                 warnings.append(mode_warning(f"{env}:{rel}", mode))
@@ -227,7 +228,8 @@ def safe_tree(man):
     if all(fsutil.safe_mode(entry[1]) == entry[1]
            for files in man.values() for entry in files.values()):
         return man
-    return {env: {rel: [size, fsutil.safe_mode(mode), sha] for rel, (size, mode, sha) in files.items()}
+    return {env: {rel: [size, fsutil.safe_mode(mode), sha]
+                  for rel, (size, mode, sha) in files.items()}
             for env, files in man.items()}
 
 
@@ -246,7 +248,8 @@ def plan_master_keys(primary, peer, topology):
     """
     report = empty_report()
     ops = []
-    names = {"shared": ("master.pem", "master.pub"), "signed": ("master_sign.pem", "master_sign.pub")}[topology]
+    names = {"shared": ("master.pem", "master.pub"),
+             "signed": ("master_sign.pem", "master_sign.pub")}[topology]
     for kind, name in zip(("pem", "pub"), names):
         if primary.get(kind) is None:
             report["errors"].append(f"the primary has no {name}")
@@ -265,5 +268,6 @@ def plan_master_config(primary, peer):
     if not changed:
         return [], report
     for key in changed:
-        report["updated" if key in peer and peer[key] not in (None, {}, []) else "added"].append(key)
+        held = key in peer and peer[key] not in (None, {}, [])
+        report["updated" if held else "added"].append(key)
     return [{"op": WRITE, "values": primary}], report

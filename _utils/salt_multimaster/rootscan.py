@@ -364,8 +364,8 @@ class _Walk:
         put = [row for name, row in now.items() if old.get(name) != row]
         for row in put:
             was = old.get(row[4])
-            if was is None or (was[7], was[10], was[11], was[12]) != (row[7], row[10], row[11],
-                                                                       row[12]):
+            compared = (7, 10, 11, 12)  # size, mode, sha256, error: what a peer is sent
+            if was is None or [was[i] for i in compared] != [row[i] for i in compared]:
                 self.buckets.add(row[5])
         gone = [self.key + (rel, name) for name in old if name not in now]
         self.buckets.update(old[name][5] for name in old if name not in now)

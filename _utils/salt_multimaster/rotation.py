@@ -167,7 +167,8 @@ def serving(mopts, marker):
         return False, f"its salt-master does not answer on {where}"
     pending = daemon.restart_pending(mopts, marker)
     if pending is None:
-        return False, f"the start time of its salt-master (pidfile {mopts.get('pidfile')}) is unknown"
+        return False, (f"the start time of its salt-master (pidfile {mopts.get('pidfile')}) "
+                       f"is unknown")
     if pending:
         return False, "its salt-master still runs with the old key (not restarted since)"
     return True, None
@@ -608,7 +609,8 @@ class Rotation:
 
     def _primary_serving(self, step):
         if current_finger(self.opts) != step["new"]:
-            return False, f"its key on disk is not the new {step['new']} (restored or replaced since?)"
+            return False, (f"its key on disk is not the new {step['new']} (restored or "
+                           f"replaced since?)")
         return self.salt.primary_serving()
 
     def _restart(self, name):

@@ -283,6 +283,11 @@ def read(state_dir, query):
         found.close()
 
 
+def select(state_dir, sql, args=()):
+    """The rows of ``sql`` on the store of ``state_dir`` (``[]``: none, or unreadable)."""
+    return read(state_dir, lambda found: found.query(sql, args)) or []
+
+
 def record(state_dir, write, what, durable=True):
     """
     ``write(store)`` in one transaction on the store of ``state_dir``,

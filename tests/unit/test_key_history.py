@@ -33,14 +33,14 @@ def _rows(state):
 def _spy(monkeypatch):
     """The buckets of the history read by bucket (``[bucket]``), and whether all of it was."""
     read = []
-    real = history._query  # pylint: disable=protected-access
+    real = store.select
 
-    def query(state_dir, sql, args=()):
+    def select(state_dir, sql, args=()):
         if "FROM history" in sql:
             read.append(args[0] if args else "every")
         return real(state_dir, sql, args)
 
-    monkeypatch.setattr(history, "_query", query)
+    monkeypatch.setattr(store, "select", select)
     return read
 
 
