@@ -161,8 +161,11 @@ LOCK_WAIT = 60
 # find_job asks the peer whether it still runs it, and waits for the answer
 # the master's gather_job_timeout, as Salt's CLI does (GATHER_TIMEOUT when
 # unset: Salt's default).  3 s was too short for a busy master: a peer
-# still working was reported gone.
-JOB_POLL = 2
+# still working was reported gone.  JOB_POLL is the first wait of Salt's
+# CLI (its default ``timeout``, 5 s): a minion's job writes the record
+# find_job looks for only once it has loaded its modules, seconds on a busy
+# host; a job not found there yet is taken for one that ended.
+JOB_POLL = 5
 GATHER_TIMEOUT = 10
 
 # Keyword arguments of sync and status besides their named parameters.
