@@ -10,6 +10,7 @@ import pathlib
 import shutil
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -164,6 +165,26 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
 # teardown, so a module's sum is what it costs; session fixtures (the wheel
 # build) count in the first test that asks for them.
 _SPENT = {"dirs": {}, "modules": {}}
+
+
+def _machine_busy():
+    """
+    ``(busy, stolen, time.monotonic())``: CPU seconds of all cores since
+    boot, busy (user, nice, system, irq, softirq) and stolen by the
+    hypervisor (/proc/stat); None: unknown.
+    """
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            fields = [int(v) for v in fh.readline().split()[1:]] + [0] * 8
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _, _, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq) / ticks, steal / ticks, time.monotonic()
+
+
+# the machine's CPU when this run began (every process's, not only the tests')
+_BUSY_AT_START = _machine_busy()
 _FAILED = []  # "FAILED <nodeid> (<phase>, <s>)": printed last, pytest_unconfigure
 
 
@@ -189,10 +210,12 @@ def pytest_sessionfinish(session):
 def pytest_testnodedown(node, error):  # pylint: disable=unused-argument
     """pytest-xdist's controller: add up the daemon times of a finished worker."""
     spent = json.loads(getattr(node, "workeroutput", {}).get("mm_cluster_spent", "{}"))
-    for what, (count, seconds) in spent.items():
-        entry = cluster_spent.setdefault(what, [0, 0.0])
+    for what, (count, seconds, cpu) in spent.items():
+        entry = cluster_spent.setdefault(what, [0, 0.0, None])
         entry[0] += count
         entry[1] += seconds
+        if cpu is not None:
+            entry[2] = (entry[2] or 0.0) + cpu
 
 
 def pytest_unconfigure(config):
@@ -225,5 +248,12 @@ def pytest_terminal_summary(terminalreporter):
             write(f"{spent:8.1f}s {module}")
     if cluster_spent:
         write("real daemons (tests/support/cluster.py), waited for in the tests above:")
-        for what, (count, spent) in sorted(cluster_spent.items()):
-            write(f"{spent:8.1f}s {count:4d} {what}")
+        for what, (count, spent, cpu) in sorted(cluster_spent.items()):
+            write(f"{spent:8.1f}s {count:4d} {what}"
+                  + ("" if cpu is None else f" ({cpu:.1f} s of CPU)"))
+    busy = _machine_busy()
+    if busy is not None and _BUSY_AT_START is not None:
+        used, stolen, elapsed = (now - then for now, then in zip(busy, _BUSY_AT_START))
+        write(f"the machine's CPU, this run: {used:.0f} s busy of {elapsed:.0f} s x "
+              f"{os.cpu_count()} cores ({100 * used / max(elapsed * os.cpu_count(), 1):.0f}%), "
+              f"{stolen:.0f} s stolen by the hypervisor")

@@ -30,6 +30,7 @@ import logging
 import os
 import pathlib
 import random
+import resource
 import shutil
 import socket
 import subprocess
@@ -145,14 +146,24 @@ def master_key_paths(pki_dir):
 
 
 # Where a session's daemon time goes (printed at the end of a pytest run, see
-# tests/conftest.py): {what: [count, seconds]}.
+# tests/conftest.py): {what: [count, seconds, CPU seconds or None]}.  The CPU
+# is counted for the CLIs (salt, salt-run, salt-key, salt-call: each a
+# process of its own, reaped when it returns): what their children used
+# meanwhile (resource.RUSAGE_CHILDREN), not known for the daemons.
 SPENT = {}
 
 
-def _spent(what, began):
-    entry = SPENT.setdefault(what, [0, 0.0])
+def _children_cpu():
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _spent(what, began, cpu_before=None):
+    entry = SPENT.setdefault(what, [0, 0.0, None])
     entry[0] += 1
     entry[1] += time.monotonic() - began
+    if cpu_before is not None:
+        entry[2] = (entry[2] or 0.0) + _children_cpu() - cpu_before
 
 
 # master_alive_interval of the tests' minions on Salt 3007 (Cluster._minion).
@@ -494,18 +505,27 @@ class Cluster:
         daemon.start()
 
     # ----- CLIs -----------------------------------------------------------
+    def _run(self, what, cli, *args, **kwargs):
+        """``cli.run(*args, **kwargs)``, its time and CPU counted in SPENT as ``what``."""
+        began, cpu = time.monotonic(), _children_cpu()
+        try:
+            return self._env(cli).run(*args, **kwargs)
+        finally:
+            _spent(what, began, cpu)
+
     def salt(self, master, *args, minion_tgt="*", timeout=60, **kwargs):
-        cli = self._env(master.salt_cli(timeout=timeout))
-        return cli.run(*args, minion_tgt=minion_tgt, **kwargs)
+        return self._run("salt calls", master.salt_cli(timeout=timeout), *args,
+                         minion_tgt=minion_tgt, **kwargs)
 
     def salt_run(self, master, *args, timeout=180, **kwargs):
-        return self._env(master.salt_run_cli(timeout=timeout)).run(*args, **kwargs)
+        return self._run("salt-run calls", master.salt_run_cli(timeout=timeout), *args, **kwargs)
 
     def salt_key(self, master, *args, **kwargs):
-        return self._env(master.salt_key_cli()).run(*args, **kwargs)
+        return self._run("salt-key calls", master.salt_key_cli(), *args, **kwargs)
 
     def salt_call(self, minion, *args, timeout=120, **kwargs):
-        return self._env(minion.salt_call_cli(timeout=timeout)).run(*args, **kwargs)
+        return self._run("salt-call calls", minion.salt_call_cli(timeout=timeout), *args,
+                         **kwargs)
 
     def refresh_pillar(self, master, minion, deadline=120):
         """
