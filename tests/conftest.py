@@ -99,6 +99,7 @@ def cluster_factory(salt_factories):
     built = []
 
     def factory(name, **kwargs):
+        kwargs.setdefault("fork_clis", True)
         cluster = Cluster(salt_factories, name, **kwargs)
         built.append(cluster)
         return cluster

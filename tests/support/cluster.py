@@ -48,6 +48,8 @@ import salt.version
 from pytestshellutils.exceptions import FactoryTimeout
 from salt_multimaster.rotation import gen_keypair  # noqa: F401  (the product's own; tests import it from here)
 
+from tests.support import forkcli  # noqa: E402  pylint: disable=wrong-import-position
+
 log = logging.getLogger(__name__)
 
 PUBLISH_PORT = 4505
@@ -148,14 +150,15 @@ def master_key_paths(pki_dir):
 # Where a session's daemon time goes (printed at the end of a pytest run, see
 # tests/conftest.py): {what: [count, seconds, CPU seconds or None]}.  The CPU
 # is counted for the CLIs (salt, salt-run, salt-key, salt-call: each a
-# process of its own, reaped when it returns): what their children used
-# meanwhile (resource.RUSAGE_CHILDREN), not known for the daemons.
+# process of its own, reaped when it returns): what the children of this
+# process and of the CLI fork server used meanwhile, not known for the daemons.
 SPENT = {}
 
 
 def _children_cpu():
+    """CPU seconds of the children reaped so far (the CLI fork server's commands too)."""
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
+    return used.ru_utime + used.ru_stime + forkcli.cpu_used()
 
 
 def _spent(what, began, cpu_before=None):
@@ -260,6 +263,7 @@ def _each(fn, daemons):
 class Cluster:
     """
     A primary master, its peers, the peers' own minions and ordinary minions.
+    ``fork_clis``: its CLI calls from the fork server (:mod:`tests.support.forkcli`).
     """
 
     def __init__(
@@ -274,8 +278,10 @@ class Cluster:
         primary_overrides=None,
         minion_overrides=None,
         environ=None,
+        fork_clis=False,
     ):
         self.factories = factories
+        self.fork_clis = fork_clis
         self.name = name
         self.prefix = pick_prefix(peers + 1)
         self.share_master_keys = share_master_keys
@@ -505,27 +511,36 @@ class Cluster:
         daemon.start()
 
     # ----- CLIs -----------------------------------------------------------
-    def _run(self, what, cli, *args, **kwargs):
-        """``cli.run(*args, **kwargs)``, its time and CPU counted in SPENT as ``what``."""
+    def _run(self, command, cli, *args, **kwargs):
+        """
+        ``cli.run(*args, **kwargs)`` (``cli``: the CLI factory of
+        ``command``), from the fork server when the cluster was built with
+        ``fork_clis`` (:mod:`tests.support.forkcli`); its time and CPU
+        counted in SPENT.
+        """
+        if self.fork_clis:
+            scripts = os.path.dirname(cli.get_script_path())
+            server = forkcli.start(scripts)
+            if server is not None:
+                cli.script_name = forkcli.client_script(scripts, command, server.sock)
         began, cpu = time.monotonic(), _children_cpu()
         try:
             return self._env(cli).run(*args, **kwargs)
         finally:
-            _spent(what, began, cpu)
+            _spent(f"{command} calls", began, cpu)
 
     def salt(self, master, *args, minion_tgt="*", timeout=60, **kwargs):
-        return self._run("salt calls", master.salt_cli(timeout=timeout), *args,
+        return self._run("salt", master.salt_cli(timeout=timeout), *args,
                          minion_tgt=minion_tgt, **kwargs)
 
     def salt_run(self, master, *args, timeout=180, **kwargs):
-        return self._run("salt-run calls", master.salt_run_cli(timeout=timeout), *args, **kwargs)
+        return self._run("salt-run", master.salt_run_cli(timeout=timeout), *args, **kwargs)
 
     def salt_key(self, master, *args, **kwargs):
-        return self._run("salt-key calls", master.salt_key_cli(), *args, **kwargs)
+        return self._run("salt-key", master.salt_key_cli(), *args, **kwargs)
 
     def salt_call(self, minion, *args, timeout=120, **kwargs):
-        return self._run("salt-call calls", minion.salt_call_cli(timeout=timeout), *args,
-                         **kwargs)
+        return self._run("salt-call", minion.salt_call_cli(timeout=timeout), *args, **kwargs)
 
     def refresh_pillar(self, master, minion, deadline=120):
         """
