@@ -732,15 +732,20 @@ def run(cmd, **kwargs):
     return subprocess.run(cmd, check=False, **kwargs)  # pylint: disable=subprocess-run-check
 
 
-
 # A primary serving a large sync's pulls: each pull (peer_run) holds one of
 # its request workers while it runs, and a peer keeps up to three in flight
 # (salt_multimaster.applier.PULL_AHEAD + 1); with the 3 workers of the other
 # test masters a loaded machine left no worker for the peer minion's
 # returns, whose request then timed out (a find_job answer lost: the sync
-# reported the peer gone).  Salt's own default: 5.
+# reported the peer gone).  Salt's own default: 5.  And a find_job answer
+# is awaited 30 s (gather_job_timeout; Salt's default 10): a peer minion
+# restarted beside three test workers on two cores had its returns reach
+# the primary 24 s (the find_job's) and 34 s (the inventory's) after it sent
+# them, each request timed out and sent again (Salt 3008, test_faults.py's
+# minion killed mid-apply), and the sync reported it gone.
 PULL_PRIMARY = {"peer_run": {".*": ["multimaster.pull"]},
-                "worker_threads": salt.config.DEFAULT_MASTER_OPTS["worker_threads"]}
+                "worker_threads": salt.config.DEFAULT_MASTER_OPTS["worker_threads"],
+                "gather_job_timeout": 30}
 
 
 def _started_with_pull(cluster_factory, name, master_overrides=None):

@@ -96,8 +96,13 @@ os._exit(code)
 
 
 def client_script(scripts_dir, command, sock):
-    """The client script of ``command`` in ``scripts_dir`` (written once), server ``sock``."""
-    path = os.path.join(scripts_dir, f"fork_{command.replace('-', '_')}.py")
+    """
+    The client script of ``command`` for the server ``sock`` (written once):
+    ``scripts_dir/fork/`` under the name of salt-factories' script in
+    ``scripts_dir`` (Salt names itself after ``sys.argv[0]`` in its messages).
+    """
+    os.makedirs(os.path.join(scripts_dir, "fork"), exist_ok=True)
+    path = os.path.join(scripts_dir, "fork", f"cli_{command.replace('-', '_')}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
