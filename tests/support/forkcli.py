@@ -13,7 +13,7 @@ the very entry point salt-factories' scripts run (``salt.scripts.salt_run``
 ...) as they run it.  The caller is a small client script (:data:`CLIENT`,
 given to the CLI factory as its script): it exits with the child's exit code,
 or by the child's signal; killed, its connection closes and the child's
-process group is killed.
+process group is killed.  Without the server it runs salt-factories' script.
 
 Only the calls the tests make through :class:`tests.support.cluster.Cluster`
 go this way; a test that starts a CLI itself (to kill it, or as an operator
@@ -43,7 +43,8 @@ ENTRIES = {"salt": "salt_main", "salt-run": "salt_run", "salt-key": "salt_key",
            "salt-call": "salt_call"}
 MAX_REQUEST = 4 * 1024 * 1024
 
-# The client: no Salt import; without the server it runs the command itself.
+# The client: no Salt import; without the server it runs salt-factories'
+# own script of the command (beside its directory) in its place.
 CLIENT = '''\
 import json, os, socket, struct, sys
 
@@ -51,23 +52,9 @@ SOCK, ENTRY = {sock!r}, {entry!r}
 
 
 def _fallback():
-    import atexit, traceback
-    import salt.scripts
-    exitcode = 0
-    try:
-        getattr(salt.scripts, ENTRY)()
-    except SystemExit as exc:
-        exitcode = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            sys.stderr.write(str(exc.code))
-    except Exception as exc:  # pylint: disable=broad-except
-        sys.stderr.write("An un-handled exception was caught: " + str(exc) + "\\n"
-                         + traceback.format_exc())
-        exitcode = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    atexit._run_exitfuncs()
-    os._exit(exitcode)
+    real = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        os.path.basename(__file__))
+    os.execv(sys.executable, [sys.executable, real, *sys.argv[1:]])
 
 
 try:
