@@ -24,6 +24,7 @@ runs the real script.  The benchmarks never use it: they time real commands.
 import atexit
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -42,6 +43,8 @@ PRELOAD = ("salt.scripts", "salt.cli.salt", "salt.cli.run", "salt.cli.key", "sal
 ENTRIES = {"salt": "salt_main", "salt-run": "salt_run", "salt-key": "salt_key",
            "salt-call": "salt_call"}
 MAX_REQUEST = 4 * 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 # The client: no Salt import; without the server it runs salt-factories'
 # own script of the command (beside its directory) in its place.
@@ -146,11 +149,18 @@ def cpu_used():
 
 
 def start(scripts_dir):
-    """This process's server (started once), or None when ``MM_FORK_CLIS=0``."""
+    """
+    This process's server (started once), or None: ``MM_FORK_CLIS=0``, or
+    it did not start (logged once; the calls run the real scripts).
+    """
     if not enabled():
         return None
     if "server" not in _SERVER:
-        _SERVER["server"] = Server(os.path.join(scripts_dir, f"fork-{os.getpid()}.sock"))
+        try:
+            _SERVER["server"] = Server(os.path.join(scripts_dir, f"fork-{os.getpid()}.sock"))
+        except (OSError, RuntimeError) as exc:
+            log.warning("%s; every CLI call runs the real script", exc)
+            _SERVER["server"] = None
     return _SERVER["server"]
 
 
