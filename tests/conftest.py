@@ -7,11 +7,13 @@ import json
 import logging
 import os
 import pathlib
+import resource
 import shutil
 import sys
 import tempfile
 import time
 
+import psutil
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -202,6 +204,11 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its daemon times to the controller."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    entry = cluster_spent.setdefault("test processes' lives (pytest)", [0, 0.0, 0.0])
+    entry[0] += 1
+    entry[1] += time.time() - psutil.Process().create_time()
+    entry[2] += used.ru_utime + used.ru_stime
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["mm_cluster_spent"] = json.dumps(cluster_spent)
@@ -248,7 +255,8 @@ def pytest_terminal_summary(terminalreporter):
         for spent, module in slow:
             write(f"{spent:8.1f}s {module}")
     if cluster_spent:
-        write("real daemons (tests/support/cluster.py), waited for in the tests above:")
+        write("real daemons (tests/support/cluster.py): the waits of the tests above, the"
+              " daemons' and the tests' lives")
         for what, (count, spent, cpu) in sorted(cluster_spent.items()):
             write(f"{spent:8.1f}s {count:4d} {what}"
                   + ("" if cpu is None else f" ({cpu:.1f} s of CPU)"))

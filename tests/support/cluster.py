@@ -219,6 +219,32 @@ def _kill_tree(daemon):
             proc.kill()
 
 
+def _tree_cpu(pid):
+    """CPU seconds of process ``pid`` and its children, the ones it reaped too (None: gone)."""
+    try:
+        main = psutil.Process(pid)
+        family = [main, *main.children(recursive=True)]
+    except psutil.Error:
+        return None
+    used = 0.0
+    for proc in family:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            used += times.user + times.system + times.children_user + times.children_system
+    return used
+
+
+def _spent_living(daemon, role):
+    """Count the CPU ``daemon`` used since it started (its whole process tree), as it stops."""
+    pid = getattr(daemon, "pid", None)
+    cpu = _tree_cpu(pid) if pid and daemon.is_running() else None
+    if cpu is not None:
+        entry = SPENT.setdefault(f"{role} lives", [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += time.time() - psutil.Process(pid).create_time()
+        entry[2] += cpu
+
+
 def _timed(daemon, role):
     """
     Count the time ``daemon``'s start and terminate take (whoever calls them)
@@ -241,6 +267,7 @@ def _timed(daemon, role):
 
     def timed_terminate(*args, **kwargs):
         began = time.monotonic()
+        _spent_living(daemon, role)
         try:
             if not daemon.slow_stop:
                 _kill_tree(daemon)
