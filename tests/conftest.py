@@ -31,7 +31,7 @@ except Exception:  # pylint: disable=broad-except  # pragma: no cover
 logging.getLogger().addHandler(logging.NullHandler())
 
 from tests.support.cluster import (  # noqa: E402  pylint: disable=wrong-import-position
-    SPENT as cluster_spent, Cluster, install_extension)
+    SPENT as cluster_spent, STARTS_IN, Cluster, install_extension)
 
 
 @pytest.fixture(scope="session")
@@ -258,8 +258,16 @@ def pytest_terminal_summary(terminalreporter):
         write("real daemons (tests/support/cluster.py): the waits of the tests above, the"
               " daemons' and the tests' lives")
         for what, (count, spent, cpu) in sorted(cluster_spent.items()):
-            write(f"{spent:8.1f}s {count:4d} {what}"
-                  + ("" if cpu is None else f" ({cpu:.1f} s of CPU)"))
+            if not what.startswith(STARTS_IN):
+                write(f"{spent:8.1f}s {count:4d} {what}"
+                      + ("" if cpu is None else f" ({cpu:.1f} s of CPU)"))
+        starts = sorted(((spent, count, what[len(STARTS_IN):])
+                         for what, (count, spent, _) in cluster_spent.items()
+                         if what.startswith(STARTS_IN)), reverse=True)
+        if starts:
+            write("daemon starts by test module, the 12 longest:")
+            for spent, count, what in starts[:12]:
+                write(f"{spent:8.1f}s {count:4d} {what}")
     busy = _machine_busy()
     if busy is not None and _BUSY_AT_START is not None:
         used, stolen, elapsed = (now - then for now, then in zip(busy, _BUSY_AT_START))

@@ -153,6 +153,8 @@ def master_key_paths(pki_dir):
 # process of its own, reaped when it returns): what the children of this
 # process and of the CLI fork server used meanwhile, not known for the daemons.
 SPENT = {}
+# the SPENT entries of the starts in one test module: "<STARTS_IN><module>: <role> starts"
+STARTS_IN = "starts in "
 
 
 def _children_cpu():
@@ -264,6 +266,8 @@ def _timed(daemon, role):
             return ret
         finally:
             _spent(f"{role} starts", began)
+            test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]
+            _spent(f"{STARTS_IN}{test.rsplit('/', 1)[-1]}: {role} starts", began)
 
     def timed_terminate(*args, **kwargs):
         began = time.monotonic()
