@@ -202,7 +202,7 @@ def _conf(kwargs):
     # only configured peers receive secrets; only shared policy options travel
     _valid(validate.peers, conf["peers"], configured)
     _valid(validate.config_keys, conf["master_config_keys"])
-    conf["rescan"] = _valid(validate.boolean, "rescan", kwargs.get("rescan"))
+    conf["rescan"] = _flag("rescan", kwargs.get("rescan"))
     # every peer configured: what this primary's epoch claim names (epoch.claim)
     conf["configured_peers"] = configured
     return conf
@@ -436,7 +436,7 @@ class _Salt:
 def _sync(job, peers, only, test, force, minion_ids, **kwargs):
     try:
         _valid(_checked_args, minion_ids, only)
-        force = _valid(validate.boolean, "force", force)
+        force = _flag("force", force)
         conf = _conf(dict(kwargs, peers=peers))
     except SaltInvocationError as exc:
         return _invalid(str(exc))
@@ -696,7 +696,7 @@ def restore(peer=None, backup=None, test=False, **kwargs):
         salt-run multimaster.restore peer=master02 backup=20261123T221500.123456Z
     """
     try:
-        test = _valid(validate.boolean, "test", test)
+        test = _flag("test", test)
         if len(_as_list(peer, "peer")) != 1:
             raise SaltInvocationError("restore takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(dict(kwargs, peers=peer))
@@ -928,7 +928,7 @@ def _member_run(fun, steps, peer, kwargs, **args):
     try:
         for flag in ("test", "force"):
             if flag in args:
-                args[flag] = _valid(validate.boolean, flag, args[flag])
+                args[flag] = _flag(flag, args[flag])
         args["timeout"] = _timeout(kwargs.get("timeout") or 30)
         salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
                                       cached_pillars=_member_pillars, sync=sync)
@@ -1237,7 +1237,7 @@ def failback(peer=None, test=False, keep=None, verbose=False, **kwargs):
 def _failback(job, jid, peer, test, keep, **kwargs):
     lock_wait = kwargs.pop("lock_wait", None)
     try:
-        test = _valid(validate.boolean, "test", test)
+        test = _flag("test", test)
         if len(_as_list(peer, "peer")) != 1:
             raise SaltInvocationError("failback takes one peer: peer=<id of multimaster:peers>")
         conf = _conf(kwargs)
