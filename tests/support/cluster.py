@@ -240,11 +240,13 @@ def _spent_living(daemon, role):
     """Count the CPU ``daemon`` used since it started (its whole process tree), as it stops."""
     pid = getattr(daemon, "pid", None)
     cpu = _tree_cpu(pid) if pid and daemon.is_running() else None
-    if cpu is not None:
-        entry = SPENT.setdefault(f"{role} lives", [0, 0.0, 0.0])
-        entry[0] += 1
-        entry[1] += time.time() - psutil.Process(pid).create_time()
-        entry[2] += cpu
+    with contextlib.suppress(psutil.Error):
+        if cpu is not None:
+            lived = time.time() - psutil.Process(pid).create_time()
+            entry = SPENT.setdefault(f"{role} lives", [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += lived
+            entry[2] += cpu
 
 
 def _timed(daemon, role):
