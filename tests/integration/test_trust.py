@@ -29,6 +29,8 @@ def cluster(cluster_factory):
         peers=1,
         minions=1,
         primary_overrides={"publisher_acl": {"ops": ["test.*"]}},
+        # the leak search reads the minions' logs: every line Salt can write
+        log_level="debug",
     )
     _dropin(cluster.primary, "multimaster.conf", {"multimaster": {
         "peers": [m.id for m in cluster.peer_minions],

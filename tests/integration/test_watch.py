@@ -26,7 +26,8 @@ ENGINES = {"engines": [{"multimaster_watch": {"poll": 0.2, "replicate": False}}]
 ONLY = "only=minion_keys,file_roots,pillar_roots"
 
 
-cluster = pull_cluster("wat", master_overrides=ENGINES)
+# _unlisted reads a debug message of the scans
+cluster = pull_cluster("wat", master_overrides=ENGINES, log_level="debug")
 
 
 def _socket(master):
