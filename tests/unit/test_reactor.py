@@ -101,7 +101,7 @@ def test_key_event_reports_failed_sync(tmp_path):
     calls = []
     mod = _runner(tmp_path, lambda only, minion_ids: calls.append(only) or {"m02": {"result": False},
                                                                  "retcode": 1})
-    ret = mod.key_event(act="delete", window=0, retries=2, retry_delay=0)
+    ret = mod.key_event(act="delete", window=0, retries=2, retry_delay=0, quiet=0)
     assert ret["result"] is False and ret["syncs"] == 3 and len(calls) == 3
 
 
@@ -110,7 +110,7 @@ def test_key_event_retries_a_transient_failure(tmp_path):
                     {"m02": {"result": True}}])
     calls = []
     mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or next(answers))
-    ret = mod.key_event(act="accepted", minion_id="a", window=0, retry_delay=0)
+    ret = mod.key_event(act="accepted", minion_id="a", window=0, retry_delay=0, quiet=0)
     assert ret == {"queued": False, "syncs": 2, "result": True,
                    "last": {"m02": {"result": True}}}
     assert calls == [["a"], ["a"]]  # the retry covers the same key
@@ -131,7 +131,8 @@ def test_key_event_burst_is_coalesced(tmp_path):
     mod = _runner(tmp_path, sync)
     results = []
     first = threading.Thread(
-        target=lambda: results.append(mod.key_event(act="accepted", minion_id="a", window=0))
+        target=lambda: results.append(mod.key_event(act="accepted", minion_id="a", window=0,
+                                                    quiet=0))
     )
     first.start()
     assert started.wait(10)
@@ -157,7 +158,7 @@ def test_key_event_event_after_release_is_not_lost(tmp_path):
         return {}
 
     mod.__salt__["multimaster.sync"] = sync
-    ret = mod.key_event(act="accepted", minion_id="a", window=0)
+    ret = mod.key_event(act="accepted", minion_id="a", window=0, quiet=0)
     assert ret["syncs"] == 2 and calls == [["a"], ["b"]]
 
 
