@@ -502,32 +502,3 @@ def test_duplicate_minion_process(cluster):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-
-
-# ----- the file_roots install path (second cluster: nothing pip installed) ------------
-@pytest.fixture(scope="module")
-def fr_cluster(cluster_factory, clean_environ, repo_tree):
-    fr = cluster_factory(
-        "auf", peers=0, minions=1, environ=clean_environ,
-        primary_overrides={"file_roots": {"base": [str(repo_tree)]}},
-    )
-    fr.start()
-    yield fr
-    fr.stop()
-
-
-def test_audit_through_the_file_roots_install(fr_cluster):
-    daemon = fr_cluster.minions[0]
-    assert fr_cluster.wait_ping(fr_cluster.primary, daemon.id)
-    ret = fr_cluster.salt(fr_cluster.primary, "saltutil.sync_all", minion_tgt=daemon.id)
-    assert ret.returncode == 0, ret
-    ret = fr_cluster.salt(fr_cluster.primary, "multimaster.audit", minion_tgt=daemon.id)
-    assert ret.returncode == 0, ret
-    assert ret.data["result"] is True
-    assert ret.data["masters"] == [fr_cluster.primary.config["interface"]]
-    ret = fr_cluster.salt_run(fr_cluster.primary, "saltutil.sync_runners")
-    assert ret.returncode == 0, ret
-    ret = fr_cluster.salt_run(fr_cluster.primary, "multimaster.audit", "--out=json")
-    assert ret.returncode == 0, ret
-    assert ret.data["result"] is True
-    assert list(ret.data["minions"]) == [daemon.id]

@@ -1,7 +1,8 @@
 """
 The second install path: the repository as a file_roots root, nothing pip
 installed.  ``saltutil.sync_all`` on the minion and ``saltutil.sync_runners``
-on the master make the extension load, and ``salt.multimaster`` is an SLS.
+on the master make the extension load, ``salt.multimaster`` is an SLS, and
+the audit runs on the minion and on the master.
 """
 
 import pytest
@@ -37,10 +38,18 @@ def test_not_loaded_before_sync(before_sync):
     assert ret.returncode != 0 or "is not available" in ret.stdout
 
 
-@pytest.mark.usefixtures("before_sync")
-def test_sync_all_loads_module_and_states(cluster):
+@pytest.fixture(scope="module")
+def synced(cluster, before_sync):  # pylint: disable=unused-argument
+    """The operator's two syncs, once, after ``before_sync``: what each returned."""
     minion = cluster.minions[0].id
-    ret = cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion, timeout=180)
+    return {"minion": cluster.salt(cluster.primary, "saltutil.sync_all", minion_tgt=minion,
+                                   timeout=180),
+            "master": cluster.salt_run(cluster.primary, "saltutil.sync_runners")}
+
+
+def test_sync_all_loads_module_and_states(cluster, synced):
+    minion = cluster.minions[0].id
+    ret = synced["minion"]
     assert ret.returncode == 0, ret
     assert "modules.multimaster" in ret.data["modules"]
     assert "states.multimaster" in ret.data["states"]
@@ -52,9 +61,8 @@ def test_sync_all_loads_module_and_states(cluster):
     assert "CLI Example" in ret.data["multimaster.version"]
 
 
-@pytest.mark.usefixtures("before_sync")
-def test_sync_runners_loads_runner(cluster):
-    ret = cluster.salt_run(cluster.primary, "saltutil.sync_runners")
+def test_sync_runners_loads_runner(cluster, synced):
+    ret = synced["master"]
     assert ret.returncode == 0, ret
     assert "runners.multimaster" in ret.data
     ret = cluster.salt_run(cluster.primary, "multimaster.version")
@@ -76,3 +84,18 @@ def test_formula_is_an_sls(cluster):
     assert isinstance(ret.data, dict) and ret.data, ret
     assert all(sls.startswith("salt.multimaster") for sls in
                {v["__sls__"] for v in ret.data.values()}), ret.data
+
+
+def test_audit_through_the_file_roots_install(cluster, synced):
+    daemon = cluster.minions[0]
+    assert cluster.wait_ping(cluster.primary, daemon.id)
+    assert synced["minion"].returncode == 0, synced["minion"]
+    ret = cluster.salt(cluster.primary, "multimaster.audit", minion_tgt=daemon.id)
+    assert ret.returncode == 0, ret
+    assert ret.data["result"] is True
+    assert ret.data["masters"] == [cluster.primary.config["interface"]]
+    assert synced["master"].returncode == 0, synced["master"]
+    ret = cluster.salt_run(cluster.primary, "multimaster.audit", "--out=json")
+    assert ret.returncode == 0, ret
+    assert ret.data["result"] is True
+    assert list(ret.data["minions"]) == [daemon.id]
