@@ -117,9 +117,10 @@ def cluster_factory(salt_factories):
 # quick modules fill in at the end.  A module not listed comes after them.
 SLOW_FIRST = (
     "test_rotate_key.py", "test_formula.py", "test_sync.py", "test_audit.py",
-    "test_damage.py", "test_faults.py", "test_outage.py", "test_revocation.py",
+    "test_damage.py", "test_faults.py", "test_outage.py", "test_large_sync.py",
+    "test_revocation.py",
     "test_input.py", "test_add_remove_peer.py", "test_restart_pending.py", "test_trust.py",
-    "test_watch.py", "test_dead_peer.py", "test_peer_hosts.py", "test_continuous.py",
+    "test_watch.py", "test_peer_hosts.py", "test_continuous.py",
     "test_foundation.py",
 )
 DAEMON_TESTS = "tests/integration/"
