@@ -23,7 +23,8 @@ import pathlib
 import pytest
 
 from salt_multimaster import restart
-from tests.support.cluster import KEY_DIRS, gen_keypair, master_key_paths, wait_until
+from tests.support.cluster import (KEY_DIRS, PULL_PRIMARY, gen_keypair, master_key_paths,
+                                   wait_until)
 from tests.support.service import MasterService
 from tests.unit.test_contract import _tree
 from tests.unit.test_damage import DAMAGES, damage, state_files
@@ -39,7 +40,12 @@ def cluster(cluster_factory, mm_root):
         "dmg", peers=1, minions=0,
         # the journal only: the syncs are the test's own
         master_overrides={"engines": [{"multimaster_watch": {"replicate": False}}]},
-        primary_overrides={"peer_run": {r"dmg\-peer1$": ["multimaster.pull"]}})
+        # Salt's default request workers and a 30 s find_job wait, as every
+        # primary granting the pull channel here (PULL_PRIMARY): Salt 3007,
+        # the machine loaded, a sync after the peer master's restart
+        # reported the peer host's minion gone (one CI run, one of five
+        # loaded runs of this module alone)
+        primary_overrides=dict(PULL_PRIMARY, peer_run={r"dmg\-peer1$": ["multimaster.pull"]}))
     pm, peer = cluster.peer_minions[0], cluster.peers[0]
     service = MasterService([peer], mm_root / "dmg-service")
     service.configure(pm, peer)
