@@ -36,7 +36,7 @@ import threading
 
 import salt.runner
 
-from salt_multimaster import layout, trigger, watch
+from salt_multimaster import inotify, journal, layout, trigger, watch
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ __virtualname__ = "multimaster_watch"
 
 
 def __virtual__():
-    ok, reason = watch.supported()
+    ok, reason = inotify.supported()
     if not ok:
         return False, f"multimaster_watch: {reason}"
     return __virtualname__
@@ -67,7 +67,7 @@ def _sync(opts):
     return sync
 
 
-def start(poll=watch.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigger.MAX_WAIT):
+def start(poll=journal.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigger.MAX_WAIT):
     """
     Watch this master's roots and key dirs and serve the change journal
     until the master stops; on a primary, replicate what changes.
@@ -92,21 +92,21 @@ def start(poll=watch.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigger
           # or: - multimaster_watch: {replicate: false}
     """
     try:
-        poll = watch.check_poll(poll)
+        poll = journal.check_poll(poll)
     except ValueError as exc:
-        log.error("%s: using %g", exc, watch.POLL)
-        poll = watch.POLL
+        log.error("%s: using %g", exc, journal.POLL)
+        poll = journal.POLL
     try:
         quiet = trigger.check_seconds("quiet", quiet)
         max_wait = trigger.check_seconds("max_wait", max_wait)
     except ValueError as exc:
         log.error("%s: using quiet %g, max_wait %g", exc, trigger.QUIET, trigger.MAX_WAIT)
         quiet, max_wait = trigger.QUIET, trigger.MAX_WAIT
-    trees = watch.master_trees(__opts__)
+    trees = journal.master_trees(__opts__)
     watcher = watch.Watcher(trees)
     try:
         watcher.start()
-    except watch.Unavailable as exc:
+    except inotify.Unavailable as exc:
         # serve anyway: every query is answered "cannot tell", at once
         log.error("multimaster_watch: cannot watch (%s): syncs read everything", exc)
     log.info("multimaster_watch: watching %s", ", ".join(trees))
@@ -117,7 +117,7 @@ def start(poll=watch.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigger
         tick = trigger.Trigger(watcher.changes, trigger.categories_of(__opts__, trees), wanted,
                                _sync(__opts__), quiet, max_wait).tick
     try:
-        watch.serve(watcher, watch.socket_path(layout.state_dir(__opts__)),
-                    stop=threading.Event(), poll=poll, tick=tick)
+        journal.serve(watcher, journal.socket_path(layout.state_dir(__opts__)),
+                      stop=threading.Event(), poll=poll, tick=tick)
     finally:
         watcher.close()

@@ -31,7 +31,7 @@ try:
     from salt_multimaster import audit as audit_core
     from salt_multimaster import masters as master_entries
     from salt_multimaster import minion_config as conf_core
-    from salt_multimaster import guard, protocol, restart, validate, watch
+    from salt_multimaster import guard, journal, protocol, restart, validate
     from salt_multimaster.layout import TOPOLOGIES
 
     HAS_CORE = True
@@ -573,7 +573,7 @@ def engines_config(master_config=None, dropin="multimaster-reactor.conf"):
                                                           "*.conf")))
                if os.path.basename(other) != dropin]
     try:
-        return watch.engines_config(main, dropins)
+        return journal.engines_config(main, dropins)
     except ValueError as exc:
         raise CommandExecutionError(f"{path}: {exc}") from None
 

@@ -7,7 +7,7 @@ as a deletion, and a key found only on the peer as a conflict.
 
 import logging
 
-from salt_multimaster import keyscan, layout, manifest, replicate, store, watch
+from salt_multimaster import journal, keyscan, layout, manifest, replicate, store
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +133,9 @@ def _recorded(state_dir):
     return data["buckets"]
 
 
-def journal(mopts):
+def journal_client(mopts):
     """The change journal of this peer master (its engine's socket), for the reads of its state."""
-    return watch.client(layout.state_dir(mopts))
+    return journal.client(layout.state_dir(mopts))
 
 
 def record_history(mopts, state_dir, primary_digest):
@@ -147,7 +147,7 @@ def record_history(mopts, state_dir, primary_digest):
     (``history_recorded``).  A bucket recorded at its digest before, and
     untouched by an apply since, is not read again.
     """
-    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, watch=journal(mopts))
+    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, watch=journal_client(mopts))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
     todo = [b for b in same if b not in recorded]

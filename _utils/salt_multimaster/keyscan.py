@@ -129,7 +129,7 @@ class KeysSnapshot:
     [ids]}`` that exist but cannot be used: never read as removed),
     ``parts`` (``{bucket: {state: {id: sha256}}}``) and ``meta`` (what
     :meth:`remember` kept with it).  ``watch``: the change journal
-    (:func:`salt_multimaster.watch.client`).  The store is closed once the
+    (:func:`salt_multimaster.journal.client`).  The store is closed once the
     scan is read.
     """
 

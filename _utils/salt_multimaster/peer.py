@@ -87,7 +87,7 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    journal = history.journal(mopts)
+    journal = history.journal_client(mopts)
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -127,7 +127,7 @@ def keys_inventory(mopts, state_dir, digests, rescan=False, journal=None):
     buckets, and the ids of those buckets received from the primary before.
     """
     snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
-                                watch=journal or history.journal(mopts))
+                                watch=journal or history.journal_client(mopts))
     diff = manifest.differing(digests, snap.digest)
     wanted = set(diff)
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,

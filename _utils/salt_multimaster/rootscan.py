@@ -62,7 +62,7 @@ class RootsScan:
     step holds them, :func:`replicate.safe_tree`), ``errors`` and
     ``damaged`` (``{saltenv: [names]}`` that exist but cannot be read:
     never read as removed), and :meth:`previous`.  ``watch``: the change
-    journal (:func:`salt_multimaster.watch.client`).
+    journal (:func:`salt_multimaster.journal.client`).
     """
 
     def __init__(self, opts, cat, state_dir, rescan=False, watch=None):

@@ -16,8 +16,8 @@ import os
 import stat
 import time
 
-from salt_multimaster import (daemon, keyscan, layout, manifest, outage, protocol, replicate,
-                              rootscan, statefile, watch)
+from salt_multimaster import (daemon, journal, keyscan, layout, manifest, outage, protocol,
+                              replicate, rootscan, statefile)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def read_primary(opts, categories, topology, config_keys, rescan=False):
     """The primary's manifests, and the contents they describe, on demand."""
     cache_dir = layout.state_dir(opts)
     errors, state = [], {}
-    journal = watch.client(cache_dir)
+    changes = journal.client(cache_dir)
     if rescan and "file_roots" in categories:
         # Salt's fileserver trusts unchanged mtimes too: else a peer fetching
         # a file rewritten behind them is told the old hash and keeps its copy
@@ -88,12 +88,12 @@ def read_primary(opts, categories, topology, config_keys, rescan=False):
     for cat in categories:
         if cat == "minion_keys":
             snap = keyscan.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan,
-                                        watch=journal)
+                                        watch=changes)
             errors.extend(snap.errors)
             state[cat] = {"parts": snap.parts, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
         elif cat in rootscan.ROOTS:
-            scan = rootscan.RootsScan(opts, cat, cache_dir, rescan=rescan, watch=journal)
+            scan = rootscan.RootsScan(opts, cat, cache_dir, rescan=rescan, watch=changes)
             errors.extend(scan.errors)
             # the digests describe a peer in step: modes less the bits a
             # sync never writes (the plan warns of those)

@@ -66,7 +66,7 @@ def replicated(opts):
 def categories_of(opts, trees):
     """
     ``(tree, rel_dir) -> set of categories``: what a change in directory
-    ``rel_dir`` of ``tree`` (a path of :func:`watch.master_trees`) asks a
+    ``rel_dir`` of ``tree`` (a path of :func:`journal.master_trees`) asks a
     sync for.  The pki_dir's top holds the master keys, its key dirs the
     minion keys; a root is a ``file_roots`` or a ``pillar_roots`` root.
     """

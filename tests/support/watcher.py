@@ -1,10 +1,10 @@
-"""A stand-in for the change journal (``watch.query``) in unit tests."""
+"""A stand-in for the change journal (``journal.query``) in unit tests."""
 
 import os
 
 
 class FakeWatcher:
-    """Answers ``watch.query`` from the directories :meth:`touch` was told of."""
+    """Answers ``journal.query`` from the directories :meth:`touch` was told of."""
 
     def __init__(self, trees):
         self.trees = sorted(os.path.realpath(t) for t in trees)

@@ -347,8 +347,6 @@ def _random_change(rng, a, b, fake):
     fake.touch(d, path.name)
 
 
-
-
 def test_random_changes_read_as_a_full_walk_does(tree, tmp_path):
     """
     Random changes (:func:`_random_change`), 40 rounds: after each round
@@ -403,21 +401,21 @@ def test_a_scan_with_the_real_watcher(tree, tmp_path, monkeypatch):
     """
     import threading
 
-    from salt_multimaster import watch
+    from salt_multimaster import journal, watch
 
     a, b = tree
     opts = _opts(a, b, ["*.swp"])
     state = tmp_path / ("long-" * 20) / "multimaster"
     state.mkdir(parents=True)
-    assert len(str(watch.socket_path(str(state)))) > 108
-    watcher = watch.Watcher(watch.master_trees(opts))
+    assert len(str(journal.socket_path(str(state)))) > 108
+    watcher = watch.Watcher(journal.master_trees(opts))
     watcher.start()
     stop = threading.Event()
-    server = threading.Thread(target=watch.serve,
-                              args=(watcher, watch.socket_path(str(state)), stop, 0.05))
+    server = threading.Thread(target=journal.serve,
+                              args=(watcher, journal.socket_path(str(state)), stop, 0.05))
     server.start()
     try:
-        ask = watch.client(str(state))
+        ask = journal.client(str(state))
         for _ in range(100):  # the server binds its socket
             if ask(None) is not None:
                 break
@@ -436,7 +434,7 @@ def test_a_scan_with_the_real_watcher(tree, tmp_path, monkeypatch):
         stop.set()
         server.join()
         watcher.close()
-    assert watch.client(str(state))(None) is None  # no socket left: a full walk, at once
+    assert journal.client(str(state))(None) is None  # no socket left: a full walk, at once
 
 
 def test_a_name_that_is_not_utf8_is_reported_not_stored(tmp_path):

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from salt_multimaster import watch
+from salt_multimaster import inotify, journal, watch
 
 UTILS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "_utils")
@@ -425,14 +425,14 @@ def test_symlinks_not_followed(tree, started, tmp_path):
 def test_remote_filesystem_not_vouched_for(tree, started, tmp_path, monkeypatch):
     other = str(tmp_path / "outside")
     mounts = [(1, "/", "ext4"), (2, os.path.join(os.path.realpath(tree), "a"), "nfs4")]
-    monkeypatch.setattr(watch, "_read_mounts", lambda path=None: mounts)
+    monkeypatch.setattr(inotify, "read_mounts", lambda path=None: mounts)
     w = started(tree, other)
     assert watched_inodes(w) == dir_inodes(other)
     tok = ask(w, token(w.changes(None)), {other: []}, unwatched=[tree])
     os.mkdir(os.path.join(tree, "x"))
     ask(w, tok, {other: []}, unwatched=[tree])
     # a filesystem the watcher does not know
-    monkeypatch.setattr(watch, "_read_mounts", lambda path=None: [(1, "/", "fuse.sshfs")])
+    monkeypatch.setattr(inotify, "read_mounts", lambda path=None: [(1, "/", "fuse.sshfs")])
     w2 = started(tree)
     assert w2.changes(None)["unwatched"] == [tree]
 
@@ -490,8 +490,8 @@ def test_unable_when_out_of_watches(tree, started, monkeypatch, caplog):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
     caplog.set_level(logging.WARNING, logger=watch.__name__)
-    real = watch._add_watch
-    monkeypatch.setattr(watch, "_add_watch", no_space)
+    real = inotify.add_watch
+    monkeypatch.setattr(inotify, "add_watch", no_space)
     w = started(tree)
     reply = w.changes(None)
     assert reply == answer(w, None, unwatched=[tree], error=reply["error"])
@@ -499,16 +499,16 @@ def test_unable_when_out_of_watches(tree, started, monkeypatch, caplog):
     assert "max_user_watches" in caplog.text
 
     # out of watches later: a new directory cannot be watched
-    monkeypatch.setattr(watch, "_add_watch", real)
+    monkeypatch.setattr(inotify, "add_watch", real)
     w2 = started(tree)
     tok = token(w2.changes(None))
-    monkeypatch.setattr(watch, "_add_watch", no_space)
+    monkeypatch.setattr(inotify, "add_watch", no_space)
     os.mkdir(os.path.join(tree, "new"))
     reply = w2.changes(tok)
     assert reply == answer(w2, None, unwatched=[tree], error=reply["error"])
     assert "No space left" in reply["error"]
     # for good, and its watches are given back
-    monkeypatch.setattr(watch, "_add_watch", real)
+    monkeypatch.setattr(inotify, "add_watch", real)
     with open(os.path.join(tree, "f"), "r+b") as fh:
         fh.write(b"N")
     for since in (tok, token(reply)):
@@ -517,9 +517,9 @@ def test_unable_when_out_of_watches(tree, started, monkeypatch, caplog):
 
 
 def test_not_linux_is_unavailable(monkeypatch):
-    monkeypatch.setattr(watch, "_LIBC", None)
-    monkeypatch.setattr(watch.sys, "platform", "freebsd14")
-    with pytest.raises(watch.Unavailable):
+    monkeypatch.setattr(inotify, "_LIBC", None)
+    monkeypatch.setattr(inotify.sys, "platform", "freebsd14")
+    with pytest.raises(inotify.Unavailable):
         watch.Watcher(["/nonexistent"]).start()
 
 
@@ -547,7 +547,7 @@ def _raw(sock_path, data):
 def test_serve_and_query(tree, started, tmp_path):
     w = started(tree)
     sock_path = str(tmp_path / "w.sock")
-    assert watch.query(sock_path, None) is None  # no socket yet
+    assert journal.query(sock_path, None) is None  # no socket yet
     # a stale socket left by a dead server
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(sock_path)
@@ -555,15 +555,15 @@ def test_serve_and_query(tree, started, tmp_path):
     stop = threading.Event()
     old_umask = os.umask(0)
     try:
-        server = threading.Thread(target=watch.serve, args=(w, sock_path),
+        server = threading.Thread(target=journal.serve, args=(w, sock_path),
                                   kwargs={"stop": stop, "poll": 0.02}, daemon=True)
         server.start()
-        _until(lambda: watch.query(sock_path, None) is not None)
+        _until(lambda: journal.query(sock_path, None) is not None)
     finally:
         os.umask(old_umask)
     try:
         assert stat.S_IMODE(os.lstat(sock_path).st_mode) == 0o600
-        first = watch.query(sock_path, None)
+        first = journal.query(sock_path, None)
         assert first == {"session": first["session"], "seq": first["seq"], "trees": [tree],
                          "unwatched": [], "changed": None, "names": None,
                          "error": "no token given"}
@@ -572,7 +572,7 @@ def test_serve_and_query(tree, started, tmp_path):
         os.mkdir(os.path.join(tree, "new"))
         with open(os.path.join(tree, "a", "b", "f"), "r+b") as fh:
             fh.write(b"N")
-        reply = watch.query(sock_path, tok)
+        reply = journal.query(sock_path, tok)
         assert reply == {"session": tok["session"], "seq": reply["seq"], "trees": [tree],
                          "unwatched": [], "changed": {tree: ["", "a/b", "new"]},
                          "names": {tree: {"": ["new"], "a/b": ["f"], "new": None}},
@@ -588,9 +588,9 @@ def test_serve_and_query(tree, started, tmp_path):
             conn.connect(sock_path)  # and hangs up without a word
         malformed = _raw(sock_path, b'{"since": 5}\n')  # a valid request, a bad token
         assert malformed["changed"] is None and malformed["trees"] == [tree]
-        again = watch.query(sock_path, tok)
+        again = journal.query(sock_path, tok)
         assert again == reply
-        last = watch.query(sock_path, token(reply))
+        last = journal.query(sock_path, token(reply))
         assert last["changed"] == {tree: []}
     finally:
         stop.set()
@@ -599,7 +599,7 @@ def test_serve_and_query(tree, started, tmp_path):
     assert not os.path.lexists(sock_path)
     # what the server answered is what changes() answers
     assert w.changes(tok) == reply
-    assert watch.query(sock_path, tok) is None
+    assert journal.query(sock_path, tok) is None
 
 
 def test_serve_moves_a_file_aside_and_keeps_a_socket_not_its_own(tree, started, tmp_path):
@@ -607,10 +607,10 @@ def test_serve_moves_a_file_aside_and_keeps_a_socket_not_its_own(tree, started, 
     path = tmp_path / "not-a-socket"
     path.write_text("data")
     stop = threading.Event()
-    server = threading.Thread(target=watch.serve, args=(w, str(path)),
+    server = threading.Thread(target=journal.serve, args=(w, str(path)),
                               kwargs={"stop": stop, "poll": 0.02}, daemon=True)
     server.start()
-    _until(lambda: watch.query(str(path), None) is not None)
+    _until(lambda: journal.query(str(path), None) is not None)
     stop.set()
     server.join(5)
     (aside,) = tmp_path.glob("not-a-socket.damaged-*")  # kept, not removed
@@ -618,10 +618,10 @@ def test_serve_moves_a_file_aside_and_keeps_a_socket_not_its_own(tree, started, 
     # replaced by another server's socket meanwhile: left alone at exit
     sock_path = str(tmp_path / "w.sock")
     stop = threading.Event()
-    server = threading.Thread(target=watch.serve, args=(w, sock_path),
+    server = threading.Thread(target=journal.serve, args=(w, sock_path),
                               kwargs={"stop": stop, "poll": 0.02}, daemon=True)
     server.start()
-    _until(lambda: watch.query(sock_path, None) is not None)
+    _until(lambda: journal.query(sock_path, None) is not None)
     os.unlink(sock_path)
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -635,15 +635,15 @@ def test_serve_moves_a_file_aside_and_keeps_a_socket_not_its_own(tree, started, 
 
 def test_query_never_raises(tmp_path):
     sock_path = str(tmp_path / "q.sock")
-    assert watch.query(sock_path, None) is None
-    assert watch.query(str(tmp_path / "nodir" / "q.sock"), None) is None
+    assert journal.query(sock_path, None) is None
+    assert journal.query(str(tmp_path / "nodir" / "q.sock"), None) is None
     # refused: a socket file nobody listens on
     dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     dead.bind(sock_path)
     dead.close()
-    assert watch.query(sock_path, None) is None
+    assert journal.query(sock_path, None) is None
     os.unlink(sock_path)
-    assert watch.query(sock_path, {"session": object()}) is None  # not JSON
+    assert journal.query(sock_path, {"session": object()}) is None  # not JSON
 
     replies = [b"nope\n", b'{"changed": null}\n', b'{"session": "s", "seq": "1", "trees": [], '
                b'"unwatched": [], "changed": null, "error": null}\n', None]
@@ -668,8 +668,8 @@ def test_query_never_raises(tmp_path):
     thread.start()
     try:
         for _ in replies[:-1]:
-            assert watch.query(sock_path, None) is None
-        assert watch.query(sock_path, None, timeout=0.1) is None
+            assert journal.query(sock_path, None) is None
+        assert journal.query(sock_path, None, timeout=0.1) is None
     finally:
         thread.join(5)
         listener.close()
@@ -708,5 +708,5 @@ def test_names_of_the_changed_entries(tree, started, monkeypatch):
 @pytest.mark.parametrize("poll", ["1", None, True, 0, -1, 61, float("nan")])
 def test_a_bad_poll_is_named(poll):
     with pytest.raises(ValueError, match=r"multimaster_watch: poll must be seconds in \(0, 60\]"):
-        watch.check_poll(poll)
-    assert watch.check_poll(2) == 2.0 and watch.check_poll(0.2) == 0.2
+        journal.check_poll(poll)
+    assert journal.check_poll(2) == 2.0 and journal.check_poll(0.2) == 0.2
