@@ -45,9 +45,10 @@ __virtualname__ = "multimaster"
 
 # the core modules this runner uses, imported once the core is importable
 _CORE = {name: name for name in ("daemon", "finger", "fleet", "guard", "jobs", "layout",
-                                 "lock", "manifest", "membership", "memory", "outage",
-                                 "protocol", "replicate", "report", "restart", "revocation",
-                                 "rotation", "rounds", "seal", "transport", "validate")}
+                                 "lock", "manifest", "membership", "membership_steps",
+                                 "memory", "outage", "protocol", "replicate", "report",
+                                 "restart", "revocation", "rotation", "rotation_steps",
+                                 "rounds", "seal", "transport", "validate")}
 _CORE["sync_core"] = "sync"
 _CORE["failback_core"] = "failback"
 _CORE["promote_core"] = "promote"
@@ -56,9 +57,9 @@ _CORE["epochs"] = "epoch"
 try:
     import salt_multimaster
     from salt_multimaster import (daemon, finger, fleet, guard, jobs, layout, lock,
-                                  manifest, membership, memory, outage, protocol, replicate,
-                                  report, restart, revocation, rotation, rounds, seal,
-                                  transport, validate)
+                                  manifest, membership, membership_steps, memory, outage,
+                                  protocol, replicate, report, restart, revocation, rotation,
+                                  rotation_steps, rounds, seal, transport, validate)
     # the public functions failback() and promote() take the modules' names
     from salt_multimaster import epoch as epochs
     from salt_multimaster import failback as failback_core
@@ -921,7 +922,7 @@ def _member_pillars(minions):
 
 def _member_run(fun, steps, peer, kwargs, **args):
     """
-    ``steps`` (membership.add_peer/remove_peer) of ``peer`` run with this
+    ``steps`` (membership_steps.add_peer/remove_peer) of ``peer`` run with this
     master's Salt, bad input refused before anything is sent; without
     ``--out``, salt-run running ``fun`` prints the compact report.
     """
@@ -930,8 +931,8 @@ def _member_run(fun, steps, peer, kwargs, **args):
             if flag in args:
                 args[flag] = _flag(flag, args[flag])
         args["timeout"] = _timeout(kwargs.get("timeout") or 30)
-        salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
-                                      cached_pillars=_member_pillars, sync=sync)
+        salt_ops = membership_steps.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
+                                            cached_pillars=_member_pillars, sync=sync)
         ret = steps(salt_ops, peer, **args)
     except (SaltInvocationError, membership.MembershipError) as exc:
         ret = _invalid(str(exc))
@@ -963,7 +964,7 @@ def add_peer(peer=None, address=None, test=False, tgt="*", tgt_type="glob", **kw
         salt-run multimaster.add_peer master03
         salt-run multimaster.add_peer master03 address=master03.example.com
     """
-    return _member_run("multimaster.add_peer", membership.add_peer, peer, kwargs,
+    return _member_run("multimaster.add_peer", membership_steps.add_peer, peer, kwargs,
                        address=address, test=test, tgt=tgt, tgt_type=tgt_type)
 
 
@@ -986,17 +987,17 @@ def remove_peer(peer=None, address=None, test=False, force=False, tgt="*", tgt_t
         salt-run multimaster.remove_peer master03 test=True
         salt-run multimaster.remove_peer master03
     """
-    return _member_run("multimaster.remove_peer", membership.remove_peer, peer, kwargs,
+    return _member_run("multimaster.remove_peer", membership_steps.remove_peer, peer, kwargs,
                        address=address, test=test, force=force, tgt=tgt, tgt_type=tgt_type)
 
 
 # ---------------------------------------------------------------------------
 # Master key rotation (salt-run multimaster.rotate_key): the input, the lock and
-# the Salt side (rotation.SaltOps) of the steps in salt_multimaster.rotation.
+# the Salt side (rotation_steps.SaltOps) of the steps in salt_multimaster.rotation_steps.
 # ---------------------------------------------------------------------------
 def _rot_invalid(message):
     """Bad input or a refused rotation: nothing changed, a non-zero exit."""
-    return dict(rotation.refused(message), retcode=1)
+    return dict(rotation_steps.refused(message), retcode=1)
 
 
 def _rot_call_peer(peer, fun, kwarg, timeout):
@@ -1040,10 +1041,10 @@ def _rot_reconnect_events():
 
 
 def _rot_salt():
-    """What the rotation asks of Salt on this master (``rotation.SaltOps``)."""
+    """What the rotation asks of Salt on this master (``rotation_steps.SaltOps``)."""
     state_dir = layout.state_dir(__opts__)
     started = []
-    return rotation.SaltOps(
+    return rotation_steps.SaltOps(
         __opts__, call_peer=_rot_call_peer, minions=_rot_minions,
         status=lambda peers, topology: status(peers=",".join(peers), topology=topology,
                                               replicate="master_keys"),
@@ -1140,7 +1141,8 @@ def rotate_key(peers=None, topology=None, test=False, fresh=False, tgt="*", tgt_
     if not conf_peers:
         return _rot_invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass "
                             "peers=")
-    rot = rotation.Rotation(_rot_salt(), topology, conf_peers, restart_cmd, tgt, tgt_type, **waits)
+    rot = rotation_steps.Rotation(_rot_salt(), topology, conf_peers, restart_cmd, tgt, tgt_type,
+                                  **waits)
     ret = rot.check(fresh, test)
     if ret["result"] and not test:
         try:
@@ -1305,8 +1307,8 @@ def promote(peers=None, test=False, address=None, tgt="*", tgt_type="glob", verb
         return _invalid(f"multimaster.promote: {exc}")
     try:
         test = _flag("test", test)
-        salt_ops = membership.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
-                                      cached_pillars=_member_pillars, sync=sync)
+        salt_ops = membership_steps.SaltOps(__opts__, cmd=_member_cmd, minions=_member_minions,
+                                            cached_pillars=_member_pillars, sync=sync)
         ret = promote_core.promote(
             salt_ops, test, None if peers is None else _as_list(peers, "peers"), address, tgt,
             tgt_type)

@@ -29,13 +29,13 @@ Steps (each reported):
     (the ones remove_peer gives), and the pillar and top file changes are
     next steps.
 
-Plain Python: Salt comes in through :class:`membership.SaltOps`.
+Plain Python: Salt comes in through :class:`membership_steps.SaltOps`.
 """
 
 import logging
 import os
 
-from salt_multimaster import epoch, layout, membership, protocol, report
+from salt_multimaster import epoch, layout, membership, membership_steps, protocol, report
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _check(opts, rec):
 def _configure(salt_ops, peers, test):
     """The ``config`` step: ``peers`` in this master's multimaster-peers.conf."""
     opts = salt_ops.opts
-    _topology, dropin, dropin_peers, configured = membership.primary_setup(
+    _topology, dropin, dropin_peers, configured = membership_steps.primary_setup(
         opts, "multimaster.promote", opts["id"])
     want = [p for p in peers if p not in configured]
     if not want:
@@ -143,7 +143,7 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
     entry = address or rec.get("entry")
     rows, todo = {}, []
     if entry:
-        rows, todo = membership._minions(  # pylint: disable=protected-access
+        rows, todo = membership_steps._minions(  # pylint: disable=protected-access
             salt_ops, entry, [], tgt, tgt_type, False)
         listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
         steps["minions"] = {"result": True, "minions": rows, "comment": (

@@ -14,7 +14,7 @@ import pytest
 import salt.utils.args
 from salt.exceptions import SaltInvocationError
 
-from salt_multimaster import guard, minion_config, rotation
+from salt_multimaster import guard, minion_config, rotation_steps
 from tests.conftest import REPO
 
 LOADER_MODULES = {
@@ -160,7 +160,7 @@ def sandboxed(tmp_path, monkeypatch):
         raise RuntimeError("no daemon in this test")
 
     monkeypatch.setattr(salt.client, "LocalClient", no_daemon)
-    monkeypatch.setattr(rotation, "CHECK_TRIES", 1)  # no daemon to wait for
+    monkeypatch.setattr(rotation_steps, "CHECK_TRIES", 1)  # no daemon to wait for
 
     def load(kind):
         mod = _load(kind)

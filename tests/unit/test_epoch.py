@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from salt_multimaster import epoch, membership, promote, protocol, rounds
+from salt_multimaster import epoch, membership, membership_steps, promote, protocol, rounds
 from tests.unit import test_rounds
 
 pair = test_rounds.pair
@@ -94,7 +94,7 @@ def test_every_request_of_a_sync_carries_the_primarys_claim(fake):
 # ---------------------------------------------------------------------------
 # promote, with Salt stood in for
 # ---------------------------------------------------------------------------
-class FakeOps(membership.SaltOps):
+class FakeOps(membership_steps.SaltOps):
     def __init__(self, opts):
         super().__init__(opts, cmd=self._cmd, minions=lambda tgt, tgt_type: ["web1", "web2"],
                          cached_pillars=self._pillars, sync=self._sync)

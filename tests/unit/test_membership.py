@@ -1,7 +1,7 @@
 """
 ``salt_multimaster.membership``: the peers drop-in and how Salt merges it,
 the checks of a new peer, where each minion stands with a master, the steps
-of add_peer/remove_peer against a fake Salt (:class:`membership.SaltOps`),
+of add_peer/remove_peer against a fake Salt (:class:`membership_steps.SaltOps`),
 and the runner refusing bad input before anything is sent.
 """
 
@@ -13,7 +13,7 @@ import stat
 import pytest
 import salt.config
 
-from salt_multimaster import daemon, membership, protocol
+from salt_multimaster import daemon, membership, membership_steps, protocol
 from tests.conftest import REPO
 
 RESTART = "salt-call --local service.restart salt-master"
@@ -308,9 +308,9 @@ class FakeSalt:
         self.now += seconds
 
     def ops(self):
-        return membership.SaltOps(self.opts, cmd=self.cmd, minions=self.minions,
-                                  cached_pillars=self.cached_pillars, sync=self.sync,
-                                  sleep=self.sleep, monotonic=lambda: self.now)
+        return membership_steps.SaltOps(self.opts, cmd=self.cmd, minions=self.minions,
+                                        cached_pillars=self.cached_pillars, sync=self.sync,
+                                        sleep=self.sleep, monotonic=lambda: self.now)
 
 
 @pytest.fixture
@@ -343,7 +343,7 @@ NEXT_ADD = membership.next_steps(MINIONS_ADD["minions"], "10.0.0.3", True)
 def test_add_peer_test_mode_plans_with_the_peer_and_writes_nothing(fake):
     fake.synced = {"master03": _sync_res(daemon.not_running_error("master03", "10.0.0.3:4506"),
                                          added=["master.pem"])}
-    ret = membership.add_peer(fake.ops(), "master03", test=True)
+    ret = membership_steps.add_peer(fake.ops(), "master03", test=True)
     assert ret == {
         "peer": "master03", "test": True, "master_entry": "10.0.0.3", "result": True,
         "next_steps": [PULL_NEXT] + NEXT_ADD,
@@ -365,7 +365,7 @@ def test_add_peer_test_mode_plans_with_the_peer_and_writes_nothing(fake):
 
 def test_add_peer_stops_at_a_failed_check_and_changes_nothing(fake):
     fake.host = _host(ports={4505: False, 4506: True})
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret == {"peer": "master03", "test": False, "next_steps": [], "result": False,
                    "retcode": 1, "steps": {"check": {"result": False, "comment": (
                        "ports 4506 on master03 are taken by something that is no running "
@@ -383,7 +383,7 @@ def test_add_peer_stops_at_a_failed_check_and_changes_nothing(fake):
 def test_add_peer_puts_the_dropin_back_when_the_sync_fails(fake, synced, error):
     fake.opts["peer_run"] = {"master03": ["multimaster.pull"]}
     fake.synced = synced
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     res = synced.get("master03") if isinstance(synced, dict) else None
     assert ret == {
         "peer": "master03", "test": False, "master_entry": "10.0.0.3", "result": False,
@@ -403,7 +403,7 @@ def test_add_peer_puts_the_dropin_back_when_salt_does_not_load_it(fake):
     # an include applied after master.d sets multimaster: the drop-in is hidden
     (fake.conf / "master").write_text("include: late.conf\n")
     (fake.conf / "late.conf").write_text("multimaster:\n  peers: [master02]\n")
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret["steps"]["config"] == {"result": False, "comment": (
         f"{fake.dropin} written but Salt does not load master03 from it (an include of your "
         "config sets multimaster after master.d?): put back as it was")}
@@ -412,7 +412,7 @@ def test_add_peer_puts_the_dropin_back_when_salt_does_not_load_it(fake):
 
 
 def test_add_peer_configures_and_says_to_start_the_master(fake):
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert membership.read_dropin(fake.dropin) == ["master03"]
     assert sorted(fake.opts["multimaster"]["peers"]) == ["master02", "master03"]
     assert ret["steps"]["config"] == {"result": True, "comment": f"{fake.dropin} lists master03"}
@@ -429,7 +429,7 @@ def test_add_peer_configures_and_says_to_start_the_master(fake):
 def test_add_peer_start_refused_by_the_peer_names_why(fake):
     fake.service = {"result": False, "error": "multimaster_peer.restart_master: the "
                     "salt-master could not restart to load it: ..."}
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret["steps"]["start"]["result"] is False
     assert ret["steps"]["start"]["comment"].startswith(
         "start salt-master on master03 now (multimaster_peer.restart_master: the salt-master "
@@ -439,7 +439,7 @@ def test_add_peer_start_refused_by_the_peer_names_why(fake):
 def test_add_peer_check_refuses_a_restart_command_that_cannot_run(fake):
     fake.host = dict(fake.host, master_restart={"refused": "the salt-master could not "
                                                 "restart to load it: ..."})
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret["steps"] == {"check": {"result": False, "comment": (
         "master03: nothing written, its salt-master cannot be (re)started by the command "
         "configured there: the salt-master could not restart to load it: ...")}}
@@ -449,20 +449,20 @@ def test_add_peer_check_refuses_a_restart_command_that_cannot_run(fake):
 def test_add_peer_starts_the_master_and_waits_for_it(fake):
     fake.service = True
     fake.started_pids = [None, None, 4242]
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret["steps"]["start"] == {"result": True, "comment": (
         f"salt-master started on master03 (pid 4242, {RESTART}) with the primary's keys")}
     assert ret["result"] is True and "retcode" not in ret
-    assert fake.slept == [membership.PEER_START_POLL] * 2
+    assert fake.slept == [membership_steps.PEER_START_POLL] * 2
 
 
 def test_add_peer_gives_up_on_a_master_that_does_not_start(fake):
     fake.service = True
-    ret = membership.add_peer(fake.ops(), "master03")
+    ret = membership_steps.add_peer(fake.ops(), "master03")
     assert ret["steps"]["start"] == {"result": False, "comment": (
-        f"salt-master on master03 did not start within {membership.PEER_START_WAIT} s "
+        f"salt-master on master03 did not start within {membership_steps.PEER_START_WAIT} s "
         f"({RESTART}): see its log")}
-    assert sum(fake.slept) == membership.PEER_START_WAIT and ret["retcode"] == 1
+    assert sum(fake.slept) == membership_steps.PEER_START_WAIT and ret["retcode"] == 1
 
 
 @pytest.fixture
@@ -476,7 +476,7 @@ def added(fake):
 
 
 def test_remove_peer_refuses_while_a_minion_lists_it(added):
-    ret = membership.remove_peer(added.ops(), "master03")
+    ret = membership_steps.remove_peer(added.ops(), "master03")
     rows = {"still_lists": ["web01"], "clean": ["web02"]}
     assert ret == {
         "peer": "master03", "test": False, "master_entry": "10.0.0.3", "result": False,
@@ -490,7 +490,7 @@ def test_remove_peer_refuses_while_a_minion_lists_it(added):
 
 def test_remove_peer_test_mode_changes_nothing(added):
     added.audits["web01"] = ["10.0.0.1"]
-    ret = membership.remove_peer(added.ops(), "master03", address="10.0.0.3", test=True)
+    ret = membership_steps.remove_peer(added.ops(), "master03", address="10.0.0.3", test=True)
     assert ret == {
         "peer": "master03", "test": True, "master_entry": "10.0.0.3", "result": True,
         "next_steps": [],
@@ -504,7 +504,7 @@ def test_remove_peer_test_mode_changes_nothing(added):
 
 
 def test_remove_peer_force_takes_it_out_and_still_fails(added):
-    ret = membership.remove_peer(added.ops(), "master03", force=True)
+    ret = membership_steps.remove_peer(added.ops(), "master03", force=True)
     assert ret["steps"]["config"] == {"result": True,
                                       "comment": f"master03 removed from {added.dropin}"}
     assert ret["next_steps"][-1] == ("stop salt-master on master03: no minion lists it and no "
@@ -520,7 +520,7 @@ def test_remove_peer_says_when_the_dropin_is_not_written(added, monkeypatch):
 
     monkeypatch.setattr(membership, "write_dropin", fail)
     added.audits["web01"] = ["10.0.0.1"]
-    ret = membership.remove_peer(added.ops(), "master03")
+    ret = membership_steps.remove_peer(added.ops(), "master03")
     assert ret["steps"]["config"] == {"result": False, "comment": (
         f"{added.dropin} not written: [Errno 13] Permission denied: '{added.dropin}'")}
     assert ret["result"] is False and ret["retcode"] == 1
@@ -530,16 +530,16 @@ def test_remove_peer_says_when_the_dropin_is_not_written(added, monkeypatch):
 def test_remove_peer_needs_the_address_of_a_silent_peer(added):
     added.host = None
     with pytest.raises(membership.MembershipError, match="pass address=<the entry"):
-        membership.remove_peer(added.ops(), "master03")
+        membership_steps.remove_peer(added.ops(), "master03")
     assert membership.read_dropin(added.dropin) == ["master03"]
 
 
 @pytest.mark.parametrize("steps, peer, message", [
-    (membership.add_peer, None, "name the peer"),
-    (membership.add_peer, "master02", "is already a peer"),
-    (membership.add_peer, "master09", "is not an accepted minion"),
-    (membership.remove_peer, "master07", "'master07' is no peer of this primary"),
-    (membership.remove_peer, "master02", "listed in your own multimaster:peers"),
+    (membership_steps.add_peer, None, "name the peer"),
+    (membership_steps.add_peer, "master02", "is already a peer"),
+    (membership_steps.add_peer, "master09", "is not an accepted minion"),
+    (membership_steps.remove_peer, "master07", "'master07' is no peer of this primary"),
+    (membership_steps.remove_peer, "master02", "listed in your own multimaster:peers"),
 ])
 def test_steps_refuse_before_anything_is_sent(fake, steps, peer, message):
     with pytest.raises(membership.MembershipError, match=re.escape(message)):
@@ -561,14 +561,14 @@ def runner(fake, monkeypatch):
     def nothing_sent(*args, **kwargs):
         raise AssertionError(f"sent with bad input: {args} {kwargs}")
 
-    class Refusing(membership.SaltOps):
+    class Refusing(membership_steps.SaltOps):
         """The runner's Salt: every call fails the test."""
 
         def __init__(self, opts, **salt_calls):
             built.append(sorted(salt_calls))
             super().__init__(opts, **{name: nothing_sent for name in salt_calls})
 
-    monkeypatch.setattr(membership, "SaltOps", Refusing)
+    monkeypatch.setattr(membership_steps, "SaltOps", Refusing)
     mod.built = built
     mod.dropin = fake.dropin
     return mod

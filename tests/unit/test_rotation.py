@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from salt_multimaster import daemon, finger, layout, rotation, seal
+from salt_multimaster import daemon, finger, layout, rotation, rotation_steps, seal
 from tests.conftest import REPO
 
 
@@ -178,7 +178,7 @@ def test_minion_verdict_and_remedy():
 # ----- the step machine (Rotation) on a fake Salt and a fake clock ---------------
 class FakeSalt:
     """
-    The Salt side of a rotation (:class:`rotation.SaltOps`) on a fake clock:
+    The Salt side of a rotation (:class:`rotation_steps.SaltOps`) on a fake clock:
     peers that write their new key when asked and serve it ``serve_after``
     seconds after a restart (never when None), minions that answer (or not,
     ``silent``; or from a time on, ``answer_at``), a status per call.
@@ -199,7 +199,7 @@ class FakeSalt:
         self.peer_keys, self.opened = {}, None  # each peer's minion key; the keypair it opened
 
     def ops(self):
-        return rotation.SaltOps(
+        return rotation_steps.SaltOps(
             self.opts, call_peer=self.call_peer, minions=self.minions, status=self.status,
             restart_primary=self.restart_primary, primary_serving=self.primary_serving,
             reconnect_events=lambda: self.log.append("reconnect_events"),
@@ -285,7 +285,7 @@ def _fake(opts, peers=("p1", "p2"), minions=("web1", "web2"), **kwargs):
 
 def _rotate(fake, topology, test=False, fresh=False, **waits):
     """``(return, Rotation)`` of one run, as the runner drives it (without the lock)."""
-    rot = rotation.Rotation(fake.ops(), topology, list(fake.disk), **waits)
+    rot = rotation_steps.Rotation(fake.ops(), topology, list(fake.disk), **waits)
     ret = rot.check(fresh, test)
     if ret["result"] and not test:
         ret = rot.run(ret)
@@ -414,7 +414,7 @@ def test_a_peer_that_never_serves_stops_the_rotation(primary, keypair):
                   "since)"),
     }
     assert fake.log == ["new key p1", "restart p1"]
-    assert fake.now >= 10 and set(fake.sleeps) == {rotation.POLL}
+    assert fake.now >= 10 and set(fake.sleeps) == {rotation_steps.POLL}
     assert rotation.current_finger(primary) == finger.master_finger(keypair[1].decode())
 
     # fixed: the re-run asks p1 for a restart only (its new key stays), then the primary
@@ -476,7 +476,7 @@ def test_pre_checks_ask_again_then_stop_before_any_change(primary):
     ret, rot = _rotate(fake, "shared", test=True)
     assert ret == {"result": True, "topology": "shared", "test": True, "resumed": False,
                    "started": rot.record["started"], "plan": rotation.plan(rot.record)}
-    assert fake.sleeps == [rotation.CHECK_PAUSE] * 2
+    assert fake.sleeps == [rotation_steps.CHECK_PAUSE] * 2
     assert fake.log == [] and os.listdir(rot.state_dir) == []  # a dry run writes nothing
 
     drift = {"p1": {"reachable": True, "master_running": True,
@@ -486,7 +486,7 @@ def test_pre_checks_ask_again_then_stop_before_any_change(primary):
     assert ret["result"] is False and ret["error"] == (
         "p1: its master keypair differs from the primary's: run salt-run multimaster.sync "
         "only=master_keys topology=shared first")
-    assert fake.sleeps == [rotation.CHECK_PAUSE] * 2  # no pause after the last look
+    assert fake.sleeps == [rotation_steps.CHECK_PAUSE] * 2  # no pause after the last look
     assert fake.log == [] and os.listdir(rot.state_dir) == []
 
     fake.statuses = [{"result": False, "error": "no peers answered"}] * 3
@@ -527,7 +527,7 @@ def _runner(tmp_path, monkeypatch):
         raise AssertionError(f"sent with bad input: {args} {kwargs}")
 
     # a rotation, its status and its jobs start with the Salt side built
-    monkeypatch.setattr(rotation, "SaltOps", nothing_sent)
+    monkeypatch.setattr(rotation_steps, "SaltOps", nothing_sent)
     return mod
 
 
