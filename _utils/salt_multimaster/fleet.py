@@ -4,7 +4,8 @@ The fleet report behind ``salt-run multimaster.audit``: the minions'
 report, and rendered as the rows of a compact table.
 """
 
-from salt_multimaster.audit import CHECKS, SEVERITIES
+from salt_multimaster.audit import CHECKS
+from salt_multimaster.checks import SEVERITIES
 
 
 def minion_entry(ret):
