@@ -1054,8 +1054,8 @@ print(json.dumps(out))
                 if key not in seen:
                     seen.add(key)
                     incl[key] = incl.get(key, 0) + int(count)
-        wanted = ("multimaster.py:", "sync.py:", "transport.py:", "memory.py:", "manifest.py:",
-                  "replicate.py:",
+        wanted = ("multimaster.py:", "primary.py:", "jobs.py:", "sync.py:", "transport.py:",
+                  "memory.py:", "manifest.py:", "replicate.py:",
                   "client/__init__.py",
                   "__init__.py:LocalClient", "job.py:", "local_cache.py:", "minions.py:",
                   "key.py:", "localfs_key.py:", "mixins.py:", "runner.py:", "event.py:",
@@ -1078,7 +1078,7 @@ print(json.dumps(out))
         """Cumulative seconds of the functions that explain a salt-run."""
         wanted = {
             ("multimaster.py", "sync"), ("sync.py", "read_primary"),
-            ("multimaster.py", "replies"), ("sync.py", "plan"), ("sync.py", "peer_errors"),
+            ("jobs.py", "replies"), ("sync.py", "plan"), ("sync.py", "peer_errors"),
             ("keyscan.py", "_scan"), ("rootscan.py", "_scan"),
             ("client/__init__.py", "cmd"), ("client/__init__.py", "pub"),
             ("client/__init__.py", "run_job"), ("client/__init__.py", "get_cli_event_returns"),

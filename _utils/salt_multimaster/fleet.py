@@ -1,9 +1,14 @@
 """
 The fleet report behind ``salt-run multimaster.audit``: the minions'
 ``multimaster.audit`` returns gathered through one master, folded into one
-report, and rendered as the rows of a compact table.
+report, and rendered as the rows of a compact table (:func:`audit`: the
+runner's call, the publish passed in).
 """
 
+import salt.version
+from salt.exceptions import SaltInvocationError
+
+from salt_multimaster import settings
 from salt_multimaster.audit import CHECKS
 from salt_multimaster.checks import SEVERITIES
 
@@ -169,3 +174,33 @@ def render_rows(report):
         put("totals", "no findings")
     rows["retcode"] = report["retcode"]
     return rows
+
+
+def audit(opts, context, gather, tgt, tgt_type, timeout, masters, master_finger, topology,
+          master_version):
+    """
+    ``salt-run multimaster.audit`` (its arguments) through this master:
+    ``gather(tgt, tgt_type, fun, kwarg, timeout)`` publishes
+    (:func:`salt_multimaster.jobs.full_returns`); the report, its compact
+    table when no outputter was chosen, or bad input refused (``context``:
+    the runner's ``__context__``, the exit code).
+    """
+    # bad input: a retcode in the return (a raised SaltInvocationError leaves
+    # salt-run exiting 0 on 3008)
+    if not tgt or not isinstance(tgt, (str, list)):
+        return settings.invalid(context, f"multimaster.audit: invalid target {tgt!r}")
+    try:
+        timeout = settings.timeout(timeout if timeout is not None else opts.get("timeout", 5))
+    except SaltInvocationError as exc:
+        return settings.invalid(context, f"multimaster.audit: {exc}")
+    kwarg = {"master_version": master_version or {opts["id"]: salt.version.__version__}}
+    for key, value in (("masters", masters), ("master_finger", master_finger),
+                       ("topology", topology)):
+        if value is not None:
+            kwarg[key] = value
+    expected, returns = gather(tgt, tgt_type, "multimaster.audit", kwarg, timeout)
+    report = build_report(opts["id"], salt.version.__version__, tgt, tgt_type, expected, returns)
+    # no outputter chosen (no --out, no ``output`` in the master config): the compact table
+    if not opts.get("output"):
+        return {"outputter": "txt", "data": render_rows(report)}
+    return report

@@ -3,18 +3,21 @@ The steps of ``salt-run multimaster.add_peer`` and ``multimaster.remove_peer``
 on the primary (:func:`add_peer`, :func:`remove_peer`): check, write the
 drop-in, restart and sync, start the new peer, point the minions at it
 or away from it.  They ask Salt for what they need through a
-:class:`SaltOps` the runner builds; plain Python, no Salt dunders.  The
-drop-in, the checks and the reports they use:
-:mod:`salt_multimaster.membership`.
+:class:`SaltOps` (:func:`salt_ops`: this master's, through
+:mod:`salt_multimaster.jobs`; :func:`run`: the runner's call of the
+steps); plain Python, no Salt dunders.  The drop-in, the checks and the
+reports they use: :mod:`salt_multimaster.membership`.
 """
 
 import contextlib
+import functools
 import logging
 import time
 
 import salt.config
+from salt.exceptions import SaltInvocationError
 
-from salt_multimaster import layout, manifest, membership, protocol
+from salt_multimaster import jobs, layout, manifest, membership, protocol, report, settings
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +29,8 @@ PEER_START_POLL = 2
 
 class SaltOps:
     """
-    What the steps of add_peer and remove_peer ask of Salt: the runner
-    builds one from its ``__opts__`` and clients, a unit test from fakes.
+    What the steps of add_peer and remove_peer ask of Salt: :func:`salt_ops`
+    builds one from the runner's ``__opts__`` and clients, a unit test from fakes.
 
     opts
         The primary's options (the runner's ``__opts__``): the steps set its
@@ -79,6 +82,39 @@ class SaltOps:
                         timeout=timeout).get(peer)
 
 
+def salt_ops(opts, sync):
+    """
+    The :class:`SaltOps` of this master's Salt (the runner's, for add_peer,
+    remove_peer and promote): its calls through :mod:`salt_multimaster.jobs`,
+    ``sync`` the runner's ``multimaster.sync``.
+    """
+    return SaltOps(opts, cmd=functools.partial(jobs.cmd, opts),
+                   minions=functools.partial(jobs.minions, opts),
+                   cached_pillars=functools.partial(jobs.cached_pillars, opts), sync=sync)
+
+
+def run(opts, context, sync, fun, steps, peer, kwargs, **args):
+    """
+    ``steps`` (:func:`add_peer`/:func:`remove_peer`) of ``peer`` run with this
+    master's Salt (:func:`salt_ops`), bad input refused before anything is
+    sent; without ``--out``, salt-run running ``fun`` prints the compact
+    report.  ``context``: the runner's ``__context__`` (the exit code).
+    """
+    try:
+        for flag in ("test", "force"):
+            if flag in args:
+                args[flag] = settings.flag(flag, args[flag])
+        args["timeout"] = settings.timeout(kwargs.get("timeout") or 30)
+        ret = steps(salt_ops(opts, sync), peer, **args)
+    except (SaltInvocationError, membership.MembershipError) as exc:
+        ret = settings.invalid(context, str(exc))
+    if ret.get("retcode"):
+        context["retcode"] = ret["retcode"]
+    if not report.compact(opts, fun):
+        return ret
+    return {"outputter": "txt", "data": membership.report_rows(ret)}
+
+
 def primary_setup(opts, fun, peer):
     """
     The primary's side of ``fun`` (add_peer/remove_peer) for ``peer``:
@@ -120,17 +156,20 @@ def _configure(salt_ops, dropin, peers, steps):
         return None
 
 
-def _minions(salt_ops, entry, exclude, tgt, tgt_type, adding):
-    """Per-minion rows (:func:`minion_rows`) and next steps: live audit plus cached pillar."""
-    minions = sorted(set(salt_ops.minions(tgt, tgt_type)) - set(exclude))
-    if not minions:
+def minions(salt_ops, entry, exclude, tgt, tgt_type, adding):
+    """
+    Per-minion rows (:func:`salt_multimaster.membership.minion_rows`) and
+    next steps for ``entry``: the minions' live audit plus their cached pillar.
+    """
+    ids = sorted(set(salt_ops.minions(tgt, tgt_type)) - set(exclude))
+    if not ids:
         return {}, []
-    rets = salt_ops.cmd(minions, "multimaster.audit", tgt_type="list",
+    rets = salt_ops.cmd(ids, "multimaster.audit", tgt_type="list",
                         timeout=max(int(salt_ops.opts.get("timeout") or 5), 10))
     current = {mid: ret["masters"] for mid, ret in rets.items()
                if isinstance(ret, dict) and isinstance(ret.get("findings"), list)}
-    pillars = membership.pillar_masters(salt_ops.cached_pillars(minions), minions)
-    rows = membership.minion_rows(entry, minions, current, pillars, adding)
+    pillars = membership.pillar_masters(salt_ops.cached_pillars(ids), ids)
+    rows = membership.minion_rows(entry, ids, current, pillars, adding)
     return rows, membership.next_steps(rows, entry, adding)
 
 
@@ -209,7 +248,7 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
     if master.pop("start"):
         master.update(start_master(salt_ops, peer, timeout))
     steps["start"] = master
-    rows, todo = _minions(salt_ops, ret["master_entry"], configured + [peer], tgt, tgt_type,
+    rows, todo = minions(salt_ops, ret["master_entry"], configured + [peer], tgt, tgt_type,
                           True)
     will = rows.get("will_get", [])
     steps["minions"] = {"result": True, "minions": rows, "comment": (
@@ -278,7 +317,7 @@ def remove_peer(salt_ops, peer, address=None, test=False, force=False, tgt="*",
     entry = membership.master_entry(host or {}, address)
     steps = {}
     ret = {"peer": peer, "test": test, "master_entry": entry, "steps": steps}
-    rows, todo = _minions(salt_ops, entry, configured, tgt, tgt_type, False)
+    rows, todo = minions(salt_ops, entry, configured, tgt, tgt_type, False)
     listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
     steps["minions"] = {"result": not listing, "minions": rows, "comment": (
         f"{len(listing)} minion(s) still list {entry}: {', '.join(listing)}" if listing

@@ -35,7 +35,10 @@ Plain Python: Salt comes in through :class:`membership_steps.SaltOps`.
 import logging
 import os
 
-from salt_multimaster import epoch, layout, membership, membership_steps, protocol, report
+from salt.exceptions import SaltInvocationError
+
+from salt_multimaster import (epoch, layout, membership, membership_steps, protocol, report,
+                              settings)
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +146,7 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
     entry = address or rec.get("entry")
     rows, todo = {}, []
     if entry:
-        rows, todo = membership_steps._minions(  # pylint: disable=protected-access
-            salt_ops, entry, [], tgt, tgt_type, False)
+        rows, todo = membership_steps.minions(salt_ops, entry, [], tgt, tgt_type, False)
         listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
         steps["minions"] = {"result": True, "minions": rows, "comment": (
             f"{len(listing)} minion(s) still list {entry}: {', '.join(listing)}" if listing
@@ -152,3 +154,22 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
     ret["next_steps"] = todo + _next_steps(
         opts, rec, new, lambda p: protocol.pull_allowed(opts.get("peer_run"), p))
     return report.steps_done(ret)
+
+
+def run(opts, context, sync, test, peers, address, tgt, tgt_type):
+    """
+    ``salt-run multimaster.promote`` (its arguments) with this master's
+    Salt (:func:`membership_steps.salt_ops`; ``sync``: the runner's
+    ``multimaster.sync``): the return of :func:`promote`, or bad input
+    refused; ``context``: the runner's ``__context__`` (the exit code).
+    """
+    try:
+        test = settings.flag("test", test)
+        ret = promote(membership_steps.salt_ops(opts, sync), test,
+                      None if peers is None else settings.as_list(peers, "peers"), address, tgt,
+                      tgt_type)
+    except (SaltInvocationError, PromoteError, membership.MembershipError) as exc:
+        ret = settings.invalid(context, f"multimaster.promote: {exc}")
+    if ret.get("retcode"):
+        context["retcode"] = ret["retcode"]
+    return ret

@@ -17,6 +17,15 @@ WOULD = {"added": "would add", "updated": "would update", "removed": "would remo
          "unconfirmed": "not applied"}
 
 
+def compact(opts, fun):
+    """
+    True when salt-run itself runs ``fun`` and the user chose no outputter
+    (no ``--out``, no ``output`` in the config): print the compact report.
+    Calls from the reactor, the scheduler or the API get the data.
+    """
+    return not opts.get("output") and opts.get("fun") == fun
+
+
 def names(items, verbose=False, show=SHOW):
     """``a, b, c ... and N more`` (every name with ``verbose``)."""
     items = [str(i) for i in items]

@@ -3,17 +3,22 @@ The steps of a master key rotation (``salt-run multimaster.rotate_key``) on
 the primary: :class:`Rotation`, the step machine that rotates each master
 in turn, records each step in the rotation record and resumes a re-run
 where the last one stopped, and :class:`SaltOps`, the one small object
-through which it asks Salt for what it needs (the runner builds it): plain
-functions, no Salt loader, unit-tested without daemons and on a fake clock.
+through which it asks Salt for what it needs (:func:`salt_ops` builds this
+master's, through :mod:`salt_multimaster.jobs`; :func:`rotate_key`: the
+runner's call, its input checked): plain functions, no Salt loader,
+unit-tested without daemons and on a fake clock.
 The keys, the record, the staged keypair and the verdict on each minion:
 :mod:`salt_multimaster.rotation`.
 """
 
+import functools
 import logging
 import os
 import time
 
-from salt_multimaster import finger, layout, rotation, seal
+import salt.utils.systemd
+
+from salt_multimaster import daemon, finger, jobs, layout, lock, restart, rotation, seal, validate
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +28,9 @@ CHECK_TRIES, CHECK_PAUSE = 3, 5  # the pre-checks: a peer's minion reconnecting
 
 class SaltOps:
     """
-    What a :class:`Rotation` asks of Salt on the primary; the runner builds
-    it from its ``__opts__`` and LocalClient, a unit test from fakes.
+    What a :class:`Rotation` asks of Salt on the primary; :func:`salt_ops`
+    builds it from the runner's ``__opts__`` and LocalClient, a unit test
+    from fakes.
 
     opts
         The primary's master opts.
@@ -67,6 +73,95 @@ def refused(message):
     """The return of a refused rotation (nothing changed); logged."""
     log.error("multimaster: %s", message)
     return {"result": False, "error": message}
+
+
+def invalid(message):
+    """Bad input or a refused rotation: nothing changed, a non-zero exit."""
+    return dict(refused(message), retcode=1)
+
+
+def reconnect_events(jid_event):
+    """
+    This master restarted under the running salt-run: its job's connection
+    to the master event bus (``jid_event``: the runner's ``__jid_event__``)
+    is gone (Salt 3006 dies firing the job's return on it,
+    StreamClosedError).  Drop it: the next event connects again.
+    """
+    try:
+        jid_event.event.close_pull()
+    except Exception as exc:  # pylint: disable=broad-except
+        log.debug("multimaster: event connection not reset: %s", exc)
+
+
+def salt_ops(opts, status, jid_event):
+    """
+    What the rotation asks of Salt on this master (:class:`SaltOps`):
+    ``status``: the runner's ``multimaster.status``, ``jid_event``: its
+    job's event connection (``__jid_event__``, or None).
+    """
+    state_dir = layout.state_dir(opts)
+    started = []
+    return SaltOps(
+        opts, call_peer=functools.partial(jobs.call_peer, opts),
+        minions=functools.partial(jobs.minion_returns, opts),
+        status=lambda peers, topology: status(peers=",".join(peers), topology=topology,
+                                              replicate="master_keys"),
+        restart_primary=lambda cmd: rotation.restart_primary(
+            opts, cmd, not cmd and salt.utils.systemd.booted({}), started.append),
+        restart_failed=lambda: rotation.command_failure(started[-1] if started else None),
+        primary_serving=lambda: rotation.serving(
+            opts, os.path.join(state_dir, daemon.RESTART_MARKER)),
+        reconnect_events=lambda: reconnect_events(jid_event))
+
+
+def rotate_key(opts, jid, jid_event, status, *, peers, topology, test, fresh, tgt, tgt_type,
+               restart_cmd, restart_wait, verify_wait, timeout):
+    """
+    ``salt-run multimaster.rotate_key`` (its arguments): the input checked
+    before anything is sent, then the :class:`Rotation` with this master's
+    Salt (:func:`salt_ops`), under the sync lock held as ``jid`` (the
+    runner's ``__jid__``).
+    """
+    conf = opts.get("multimaster") if isinstance(opts.get("multimaster"), dict) else {}
+    topology = topology or conf.get("topology") or "shared"
+    restart_cmd = restart_cmd or conf.get("master_restart_cmd") or None
+    try:
+        configured = validate.as_list("multimaster:peers", conf.get("peers"))
+        conf_peers = validate.as_list("peers", peers) or configured
+        test = validate.boolean("test", test)
+        fresh = validate.boolean("fresh", fresh)
+        validate.peers(conf_peers, configured)
+        waits = {k: validate.timeout(k, v, maximum=3600) for k, v in
+                 (("restart_wait", restart_wait), ("verify_wait", verify_wait),
+                  ("timeout", timeout))}
+    except validate.InvalidInput as exc:
+        return invalid(f"multimaster.rotate_key: {exc}")
+    reason = rotation.unsupported(opts, topology)
+    if reason:
+        return invalid(f"multimaster.rotate_key: {opts['id']}: {reason}")
+    if restart_cmd is not None and not isinstance(restart_cmd, str):
+        return invalid(f"multimaster.rotate_key: restart_cmd must be a command, "
+                       f"not {restart_cmd!r}")
+    # the same command restarts this primary last: refused before any master is touched
+    why = restart.impossible(restart_cmd, "salt-master", runs="salt-master") \
+        if restart_cmd else None
+    if why:
+        return invalid(f"multimaster.rotate_key: {opts['id']}: {why}")
+    if not conf_peers:
+        return invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass "
+                       "peers=")
+    rot = Rotation(salt_ops(opts, status, jid_event), topology, conf_peers, restart_cmd, tgt,
+                   tgt_type, **waits)
+    ret = rot.check(fresh, test)
+    if ret["result"] and not test:
+        try:
+            with lock.SyncLock(os.path.join(rot.state_dir, lock.LOCK_NAME), jid, wait=0):
+                ret = rot.run(ret)
+        except lock.Busy as exc:
+            return invalid(f"multimaster.rotate_key: {exc}")
+    if not ret["result"]:
+        ret["retcode"] = 1
+    return ret
 
 
 class Rotation:

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from salt_multimaster import (fsutil, grants, keyscan, lock, manifest, replicate, rootscan, sync,
-                              transport)
+from salt_multimaster import (fsutil, grants, keyscan, lock, manifest, primary, replicate,
+                              rootscan, sync, transport)
 from tests.support.cluster import gen_keypair
 from tests.support.keys import digest_of_keys
 
@@ -259,7 +259,8 @@ def _runner(tmp_path):
 
     from tests.conftest import REPO  # pylint: disable=import-outside-toplevel
 
-    spec = importlib.util.spec_from_file_location("mm_runner_faults", REPO / "_runners" / "multimaster.py")
+    spec = importlib.util.spec_from_file_location("mm_runner_faults",
+                                                  REPO / "_runners" / "multimaster.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     mod.__opts__ = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki"),
@@ -285,12 +286,13 @@ def test_sync_refuses_while_another_sync_holds_the_lock(tmp_path):
 
 
 @pytest.mark.parametrize("test", [True, "on", "yes", "1", 1])
-def test_sync_in_test_mode_takes_no_lock(tmp_path, test):
+def test_sync_in_test_mode_takes_no_lock(tmp_path, monkeypatch, test):
     """Every spelling of test mode is parsed once: none of them waits for the lock."""
     runner = _runner(tmp_path)
     state = tmp_path / "cache" / "multimaster"
     state.mkdir(parents=True)
-    runner._sync = lambda *args, **kwargs: {"result": True, "test": args[3]}
+    monkeypatch.setattr(primary, "sync", lambda opts, context, job, peers, only, test, *args,
+                        **kwargs: {"result": True, "test": test})
     with lock.SyncLock(str(state / "sync.lock"), "20261123220000000001"):
         assert runner.sync(test=test, lock_wait=0) == {"result": True, "test": True}
         assert runner.sync(test="off", lock_wait=0)["error"] == (
@@ -309,8 +311,8 @@ def test_sync_revokes_expired_grants_and_their_job_cache_entries(tmp_path):
     (pull / "aa11").write_text(json.dumps({"expires": time.time() - 1}))
     (pull / "aa11.jids").write_text(jid + "\n")
     (pull / "bb22").write_text(json.dumps({"expires": time.time() + 600}))
-    transport.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, str(tmp_path / "cache" / "jobs"),
-                                                                  "sha256"))
+    jobs_dir = str(tmp_path / "cache" / "jobs")
+    transport.sweep_grants(opts, lambda j: salt.utils.jid.jid_dir(j, jobs_dir, "sha256"))
     assert sorted(os.listdir(pull)) == ["bb22"]
     assert not os.path.exists(job)
 

@@ -9,13 +9,14 @@ import importlib.util
 import pytest
 import salt.client
 
-from salt_multimaster import sync
+from salt_multimaster import settings, sync
 from tests.conftest import REPO
 from tests.support.cluster import gen_keypair
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("mm_runner_input", REPO / "_runners" / "multimaster.py")
+    spec = importlib.util.spec_from_file_location("mm_runner_input",
+                                                  REPO / "_runners" / "multimaster.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -82,6 +83,11 @@ def test_sync_refuses_host_specific_master_config_keys(runner, key):
 SYNC_ACCEPTED = ("backup_keep, force, inline_limit, lock_wait, master_config_keys, minion_ids, "
                  "only, peers, pull_min_files, replicate, rescan, test, timeout, topology, "
                  "verbose")
+
+
+def test_the_sync_keywords_are_rescan_and_the_options_a_call_overrides(runner):
+    """The runner names them for its decorators; settings.conf overrides the same ones."""
+    assert set(runner._CONF_KWARGS) == {"rescan"} | (set(settings.OVERRIDES) - {"peers"})
 
 
 def test_unknown_kwarg_message_lists_the_accepted_ones(runner):
