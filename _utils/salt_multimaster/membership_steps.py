@@ -249,7 +249,7 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
         master.update(start_master(salt_ops, peer, timeout))
     steps["start"] = master
     rows, todo = minions(salt_ops, ret["master_entry"], configured + [peer], tgt, tgt_type,
-                          True)
+                         True)
     will = rows.get("will_get", [])
     steps["minions"] = {"result": True, "minions": rows, "comment": (
         f"{len(will)} minion(s) will list {ret['master_entry']} after state.apply "
