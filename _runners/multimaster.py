@@ -22,6 +22,7 @@ Salt's dunders and passes them down, guards each public function
 
 import functools
 import importlib
+import inspect
 import logging
 import os
 import sys
@@ -73,19 +74,9 @@ def _load_core():
             sys.path.append(utils_dir)
         _import_core()
         HAS_CORE = True
-        # Salt collects the public functions by name after __virtual__: each
-        # one defined before the core was importable is guarded now
-        for name, extra in _UNGUARDED.items():
-            globals()[name] = _public(*extra)(globals()[name])
-        _UNGUARDED.clear()
     except Exception as exc:  # pylint: disable=broad-except
         log.debug("multimaster: core not importable: %s", exc)
     return HAS_CORE
-
-
-# The public functions imported before the core was (the file_roots
-# install, its first load): wrapped by _load_core, before Salt collects them.
-_UNGUARDED = {}
 
 
 def _answer(fun, message, args, kwargs):  # pylint: disable=unused-argument
@@ -103,10 +94,19 @@ def _public(*extra):
     """
 
     def decorate(func):
-        if not HAS_CORE:
-            _UNGUARDED[func.__name__] = extra
-            return func
-        return guard.public(__virtualname__, _answer, extra)(func)
+        if HAS_CORE:
+            return guard.public(__virtualname__, _answer, extra)(func)
+
+        # the file_roots install's first load: the core comes with
+        # __virtual__ (_load_core), so the guard is made at the call
+        @functools.wraps(func)
+        def guarded_at_call(*args, **kwargs):
+            return guard.public(__virtualname__, _answer, extra)(func)(*args, **kwargs)
+
+        # as the guard's: Salt passes every keyword, the guard checks them
+        del guarded_at_call.__wrapped__
+        guarded_at_call.__signature__ = inspect.signature(lambda *args, **kwargs: None)
+        return guarded_at_call
 
     return decorate
 

@@ -75,6 +75,20 @@ def test_sync_runners_loads_runner(cluster, synced):
     assert "CLI Example" in ret.stdout, ret
 
 
+def test_runner_guarded_on_its_first_load(cluster, synced):
+    """
+    The runner synced alone (``_utils`` not yet on the master) is guarded
+    all the same: a misspelt keyword is answered in the guard's words, not
+    run and not refused by Salt's.
+    """
+    assert synced["master"].returncode == 0, synced["master"]
+    ret = cluster.salt_run(cluster.primary, "multimaster.status", "peer=x", "--out=json")
+    assert ret.returncode != 0, ret
+    assert ret.data["result"] is False, ret
+    assert ret.data["error"].startswith(
+        "multimaster.status: unknown argument peer: did you mean peers? (accepted: "), ret
+
+
 @pytest.mark.usefixtures("before_sync")
 def test_formula_is_an_sls(cluster):
     minion = cluster.minions[0].id
