@@ -16,6 +16,7 @@ unit tests run the real peer over temp dirs.
 """
 
 import concurrent.futures
+import dataclasses
 import logging
 
 from salt_multimaster import compat, epoch, memory, outage, protocol, statefile, transport
@@ -25,6 +26,21 @@ log = logging.getLogger(__name__)
 
 #: peers synced at once
 MAX_PARALLEL = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """
+    What :meth:`Rounds.sync_one` came to for one peer: its ``report``
+    (applied, planned in test mode, or failed), or, for a conditional
+    apply, ``nothing`` to apply, ``refused`` (a peer older than the
+    condition: nothing applied) or ``mismatch`` (the peer does not hold what
+    was expected: nothing applied, its ``inventory`` to plan from).
+    """
+
+    kind: str
+    report: dict = None
+    inventory: dict = None
 
 
 class Rounds:
@@ -161,17 +177,20 @@ class Rounds:
         if expect is not None and protocol.refused(got):
             # nothing applied (a peer older than this expectation refuses it)
             log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
-            return {"refused": got["error"]}, None
-        return protocol.check_reply(peer, "multimaster_peer.apply", got)
+            return Outcome("refused"), None
+        applied, error = protocol.check_reply(peer, "multimaster_peer.apply", got)
+        if expect is not None and applied is not None and "inventory" in applied:
+            return Outcome("mismatch", inventory=applied["inventory"]), None
+        return applied, error
 
     def sync_one(self, peer, categories, primary, inv, expect=None):
         """
-        Plan ``peer`` from its inventory ``inv`` and apply: its report.  With
-        ``expect`` (``inv`` is then what the primary last confirmed it held),
-        the apply is conditional: ``None`` when there is nothing to apply (a
-        targeted key sync publishes it all the same: the peer confirms) or
-        the peer refused the condition, or the peer's own inventory when it
-        does not hold what was expected.
+        Plan ``peer`` from its inventory ``inv`` and apply: an
+        :class:`Outcome`, a ``report`` unless the apply is
+        conditional (``expect``: ``inv`` is then what the primary last
+        confirmed it held) and came to ``nothing`` (nothing to apply; a
+        targeted key sync publishes it all the same: the peer confirms),
+        ``refused`` or ``mismatch``.
         """
         conf, test = self.conf, self.test
         found = []
@@ -180,7 +199,7 @@ class Rounds:
         ops = {c: o for c, o in ops.items() if o}
         targeted = "ids" in (primary.get("minion_keys") or {})
         if expect is not None and not ops and not targeted:
-            return None
+            return Outcome("nothing")
         ret = {"result": True}
         ret.update(plan_report)
         how = transport.transport(self.opts, peer, ops, conf["inline_limit"],
@@ -190,7 +209,7 @@ class Rounds:
             ret["error"] = how["error"]
             if not test:
                 core.unconfirmed(ret, categories)
-            return ret
+            return Outcome("report", ret)
         keys = inv.get("minion_keys") or {}
         keys_digest = (primary["minion_keys"].get("digest")
                        if "minion_keys" in categories else None)
@@ -204,11 +223,9 @@ class Rounds:
                 ret["result"] = False
                 ret["error"] = error
                 core.unconfirmed(ret, categories)
-                return ret
-            if "refused" in applied:
-                return None
-            if "inventory" in applied:
-                return applied["inventory"]
+                return Outcome("report", ret)
+            if isinstance(applied, Outcome):
+                return applied
             core.merge(plan_report, applied)
             for key in ("restart", "backup", "aes_rotation"):
                 if applied.get(key):
@@ -220,7 +237,7 @@ class Rounds:
                 inv = dict(inv, **{k: applied.get(k) for k in
                                    ("master_running", "master_address", "restart_pending",
                                     "master_restart")})
-        return core.finish(peer, ret, inv, categories, test=test)
+        return Outcome("report", core.finish(peer, ret, inv, categories, test=test))
 
     def sync_remembered(self, peer, categories, primary, held):
         """
@@ -232,21 +249,22 @@ class Rounds:
         """
         inv = memory.expected_inventory(held)
         sent = protocol.expected_digests(protocol.expectation(held))
-        got = None
+        out = None
         if not core.unplannable(categories, primary, inv, sent):
-            got = self.sync_one(peer, categories, primary, inv,
+            out = self.sync_one(peer, categories, primary, inv,
                                 expect=protocol.expectation(held))
-            if got is not None and "master_id" not in got:
-                return got, inv
-        if got is not None:
+            if out.kind == "report":
+                return out.report, inv
+        if out is not None and out.kind == "mismatch":
             log.info("multimaster: %s does not hold what it was last sent", peer)
-            inv = got
-        if got is None or core.unplannable(categories, primary, got, sent):
+            inv = out.inventory
+        if (out is None or out.kind != "mismatch"
+                or core.unplannable(categories, primary, inv, sent)):
             inv, error = self.ask([peer], categories,
                                   core.current_digests(primary, categories))[peer]
             if error:
                 return {"result": False, "error": error}, {}
-        return self.sync_one(peer, categories, primary, inv), inv
+        return self.sync_one(peer, categories, primary, inv).report, inv
 
     def sync_targeted(self, peer, primary, held):
         """
@@ -261,19 +279,19 @@ class Rounds:
         """
         categories = ["minion_keys"]
         inv = memory.targeted_inventory(held)
-        got = self.sync_one(peer, categories, primary, inv,
+        out = self.sync_one(peer, categories, primary, inv,
                             expect=protocol.targeted_expectation(held["keys"], held["received"]))
-        if got is not None and "master_id" not in got:
-            return got, inv
+        if out.kind == "report":
+            return out.report, inv
         ids = primary["minion_keys"]["ids"]
-        if got is None:
+        if out.kind != "mismatch":
             got, error = self.ask([peer], categories, ids=ids)[peer]
             if error:
                 return {"result": False, "error": error}, None
-            return self.sync_one(peer, categories, primary, got), None
+            return self.sync_one(peer, categories, primary, got).report, None
         log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
                  ", ".join(ids))
-        return self.sync_one(peer, categories, primary, got), got
+        return self.sync_one(peer, categories, primary, out.inventory).report, out.inventory
 
     # ----- a whole sync --------------------------------------------------------
     def run(self, peers, categories, ids=None):
@@ -316,7 +334,7 @@ class Rounds:
                 else:
                     inv, error = invs[peer]
                     res = ({"result": False, "error": error} if error else
-                           self.sync_one(peer, categories, primary, inv))
+                           self.sync_one(peer, categories, primary, inv).report)
             except Exception as exc:  # pylint: disable=broad-except
                 log.exception("multimaster: sync of %s failed", peer)
                 res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}

@@ -176,6 +176,42 @@ def test_a_targeted_key_sync_after_a_full_sync_is_one_publish(fake):
     _assert_replica(fake.primary_opts, fake.mopts)
 
 
+def test_a_peer_refusing_the_condition_is_asked_and_synced_as_before(fake):
+    """
+    A peer older than the conditional apply refuses it as invalid (nothing
+    applied): the primary asks for its inventory and applies as a full sync
+    does; a targeted key sync asks for its keys of the ids.
+    """
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    _sync(fake)
+    run = fake._run
+
+    def older(fun, request):
+        if fun == "multimaster_peer.apply" and request.get("expect") is not None:
+            return {"result": False, "error": "multimaster_peer.apply: unknown argument expect"}
+        return run(fun, request)
+
+    fake._run = older
+    with open(f"{tmp_path}/m1/pki/minions/web3", "wb") as fh:
+        fh.write(gen_keypair(1024)[1])
+    with open(f"{tmp_path}/m1/srv/top.sls", "w", encoding="utf-8") as fh:
+        fh.write("base: {'*': [web, db]}\n")
+    res, published = _sync(fake)
+    assert published == ["apply", "inventory", "apply"], res
+    assert res["result"] is True, res.get("error")
+    assert res["minion_keys"]["added"] == ["minions/web3"]
+    assert res["file_roots"]["updated"] == ["base:top.sls"]
+    _assert_replica(fake.primary_opts, fake.mopts)
+
+    with open(f"{tmp_path}/m1/pki/minions_pre/new1", "wb") as fh:
+        fh.write(gen_keypair(1024)[1])
+    res, published = _sync(fake, ["minion_keys"], ids=["new1"])
+    assert published == ["apply", "inventory", "apply"], res
+    assert res["result"] is True, res.get("error")
+    assert res["minion_keys"]["added"] == ["minions_pre/new1"]
+    _assert_replica(fake.primary_opts, fake.mopts)
+
+
 def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
     """
     The listing of the key dirs an apply changed, for its history record,
