@@ -173,6 +173,8 @@ def _spent(what, began, cpu_before=None):
 
 # master_alive_interval of the tests' minions on Salt 3007 (Cluster._minion).
 MASTER_ALIVE_3007 = 10
+# on the PYTHONPATH of the tests' salt-minion daemons on Salt 3007
+SALT3007_SHIM = str(pathlib.Path(__file__).resolve().parent / "salt3007")
 
 # How often a start looks for the daemon's start event (salt-factories'
 # own check looks every 1.5 s: on average most of a second lost per start).
@@ -424,6 +426,15 @@ class Cluster:
         # manager wakes, and salt-factories waits up to 10 s for it (5 s a
         # stop on 3008, 12 s on 3007); no test needs a minion's clean exit
         minion.slow_stop = False
+        if salt.version.__saltstack_version__.major == 3007:
+            # the check Salt 3008.3 added to RequestClient.connect: without
+            # it a 3007 minion's main loop can block for good in zmq's
+            # Context.term after a master stops (salt3007/sitecustomize.py)
+            # (a dict of its own: salt-factories hands the minion its
+            # master's environ)
+            paths = [SALT3007_SHIM, minion.environ.get("PYTHONPATH")]
+            minion.environ = dict(minion.environ,
+                                  PYTHONPATH=os.pathsep.join(p for p in paths if p))
         return _timed(minion, "minion")
 
     @property
