@@ -31,6 +31,7 @@ import time
 import pytest
 
 import daemons  # bench/daemons.py
+from daemons import salt_factories_config  # noqa: F401  pylint: disable=unused-import
 
 SAMPLES = int(os.environ.get("MM_BENCH_CONTINUOUS", "30"))
 BURST = 1000

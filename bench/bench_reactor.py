@@ -29,6 +29,7 @@ import time
 import pytest
 
 import daemons  # bench/daemons.py
+from daemons import salt_factories_config  # noqa: F401  pylint: disable=unused-import
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TRIALS = int(os.environ.get("MM_BENCH_TRIALS", "20"))
