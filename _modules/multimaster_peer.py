@@ -172,7 +172,7 @@ def _public(*extra):
 
 @_public()
 def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
-              rescan=False, minion_ids=None, sealed=None, epoch=None):
+              rescan=False, sealed=None, epoch=None):
     """
     Report what this peer master holds, for the categories asked; change
     nothing.
@@ -182,8 +182,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     (``digests``) are returned: an unchanged peer answers with digests only,
     a peer one key behind with one bucket.  Key dirs unchanged since the
     last inventory are not listed again, and files unchanged in size,
-    inode and mtime are not read again, unless ``rescan``.  With
-    ``minion_ids``: the keys of these ids only (a targeted sync).  ``test``
+    inode and mtime are not read again, unless ``rescan``.  ``test``
     is accepted for older primaries: an inventory never changes anything.
 
     CLI Example:
@@ -191,11 +190,10 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     .. code-block:: bash
 
         salt master02 multimaster_peer.inventory categories='[minion_keys]'
-        salt master02 multimaster_peer.inventory minion_ids='[web01]'
     """
     args = _request("inventory", sealed, {
         "categories": categories, "digests": digests, "topology": topology,
-        "config_keys": config_keys, "test": test, "rescan": rescan, "minion_ids": minion_ids,
+        "config_keys": config_keys, "test": test, "rescan": rescan,
         "epoch": epoch})
     categories = args["categories"] or list(replicate.CATEGORIES)
     digests = args["digests"] or {}
@@ -208,8 +206,6 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
                 raise validate.InvalidInput(
                     f"config_keys must be a list, not {args['config_keys']!r}")
             validate.config_keys(args["config_keys"])
-        if args["minion_ids"] is not None:
-            ids = validate.minion_ids(args["minion_ids"])
     except validate.InvalidInput as exc:
         return _reply(_refused("multimaster_peer.inventory", exc))
     mopts = _master_opts()
@@ -219,13 +215,9 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     started = time.monotonic()
     try:
         with peer.locked(_state_dir()):
-            if args["minion_ids"] is not None:
-                ret = peer.targeted_inventory(mopts, _state_dir(), ids)
-            else:
-                ret = peer.inventory(mopts, _state_dir(), categories, digests,
-                                     args["topology"], args["config_keys"],
-                                     rescan=args["rescan"])
-                ret["master_restart"] = _restart_master().describe(__opts__["id"])
+            ret = peer.inventory(mopts, _state_dir(), categories, digests,
+                                 args["topology"], args["config_keys"], rescan=args["rescan"])
+            ret["master_restart"] = _restart_master().describe(__opts__["id"])
     except peer.PeerError as exc:
         raise CommandExecutionError(str(exc)) from None
     log.debug("multimaster: inventory in %.3f s", time.monotonic() - started)

@@ -183,10 +183,10 @@ def sync(peers=None, only=None, test=False, force=False, minion_ids=None, verbos
     force
         Replace conflicting minion keys and remove keys found only on a peer.
     minion_ids
-        Sync the keys of these minions only (implies ``only=minion_keys``), no
-        listing of every key: one publish per peer (the apply) when the
-        primary knows what the peer holds of them since its last sync, else
-        an inventory of those ids and an apply.  The ``salt/key`` reactor
+        Sync the keys of these minions only (implies ``only=minion_keys``):
+        one publish per peer (the apply) when the primary knows what the
+        peer holds since its last sync, else an inventory and an apply.
+        The ``salt/key`` reactor
         passes the ids of its events.  Past 200 ids, a full ``minion_keys``
         sync runs instead.
     rescan

@@ -175,31 +175,6 @@ def since(state_dir, cat, digest, detailed, part_of):
     return ret
 
 
-def since_ids(state_dir, ids, keys):
-    """
-    :func:`since` of a targeted key sync: the record of ``ids`` only
-    (``keys``: the peer's keys of them now, ``{state: {id: sha256}}``):
-    ``{"changed", "unknown"}``.
-    """
-    rec = Record(state_dir, "minion_keys")
-    ret = {"changed": {}, "unknown": []}
-    by_bucket = {}
-    for mid in ids:
-        by_bucket.setdefault(manifest.bucket_of(mid), set()).add(mid)
-    for bucket, mids in sorted(by_bucket.items()):
-        base = rec.part(bucket)
-        if base is None:
-            ret["unknown"].append(bucket)
-            continue
-        mine = {state: {m: sha for m, sha in held.items() if m in mids}
-                for state, held in base.items()}
-        now = {state: {m: sha for m, sha in held.items() if m in mids}
-               for state, held in keys.items()}
-        for outer, items in changed_items(now, mine).items():
-            ret["changed"].setdefault(outer, {}).update(items)
-    return ret
-
-
 def _key_item(op):
     return op["state"], op["id"]
 
@@ -257,8 +232,8 @@ def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, k
     done
         :func:`applied` of the apply.
     primary_digest
-        The primary's bucket digests (None: a targeted sync, which only
-        records the items it wrote in recorded buckets).
+        The primary's bucket digests (None: not given, only the items it
+        wrote in recorded buckets are recorded).
     held_digest, held_part(bucket)
         The peer's bucket digests and parts as its inventory before this
         apply read them (its saved state); ``held_part`` None when unknown.

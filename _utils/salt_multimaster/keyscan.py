@@ -130,17 +130,18 @@ class KeysSnapshot:
     ``parts`` (``{bucket: {state: {id: sha256}}}``) and ``meta`` (what
     :meth:`remember` kept with it).  ``watch``: the change journal
     (:func:`salt_multimaster.journal.client`).  The store is closed once the
-    scan is read.
+    scan is read; ``keep=False``: not changed by the scan (test mode: the
+    next sync still plans from the state a peer in step holds).
     """
 
-    def __init__(self, pki_dir, state_dir, rescan=False, watch=None):
-        self.pki_dir, self.state_dir = pki_dir, state_dir
+    def __init__(self, pki_dir, state_dir, rescan=False, watch=None, keep=True):
+        self.pki_dir, self.state_dir, self.keep = pki_dir, state_dir, keep
         state_store.scanning(state_dir, self._read, rescan, watch)
 
     def _read(self, rescan, watch):
         store = state_store.Store(self.state_dir)
         try:
-            with store.write():
+            with store.write(keep=self.keep):
                 errors, changed = self._scan(store, rescan, watch)
                 rows = store.db.execute("SELECT bucket, state, id, sha FROM keys").fetchall()
                 self.digest = store.digests(CATEGORY)

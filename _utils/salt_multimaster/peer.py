@@ -139,40 +139,15 @@ def keys_inventory(mopts, state_dir, digests, rescan=False, journal=None):
                                       functools.partial(_part, snap.parts))}
 
 
-def targeted_inventory(mopts, state_dir, ids):
-    """
-    The keys of ``ids`` only (a targeted sync): their manifest and which of
-    them this peer received from the primary.
-    """
-    errors = []
-    here = keyscan.keys_state(mopts["pki_dir"], list(ids), errors=errors)
-    received = set(history.history_of(state_dir, {manifest.bucket_of(mid) for mid in ids}))
-    return {"master_id": mopts["id"], "errors": [],
-            "minion_keys": {"manifest": here, "errors": [str(e) for e in errors],
-                            "history": sorted(received & set(ids)),
-                            "record": confirmed.since_ids(state_dir, ids, here)}}
-
-
 def check_expected(mopts, state_dir, expect, topology, config_keys):
     """
     ``(held, inventory)``: whether this peer holds what the primary
     expects (``expect``: :func:`protocol.expectation`), and its inventory
     against those digests (what the primary plans from when it does not).
-    A targeted expectation (:func:`protocol.targeted_expectation`) is
-    checked against this peer's keys of its ids only
-    (:func:`targeted_inventory`: no listing of every key).
     """
     if not isinstance(expect, dict) or not expect:
         raise validate.InvalidInput(f"expect must be a mapping of category to digests, "
                                     f"not {expect!r}")
-    try:
-        ids = protocol.targeted_ids(expect)
-    except protocol.ProtocolError as exc:
-        raise validate.InvalidInput(f"expect: {exc}") from None
-    if ids is not None:
-        # a targeted key sync: the keys of these ids only, a few stats each
-        inv = targeted_inventory(mopts, state_dir, validate.minion_ids(ids))
-        return protocol.holds(expect, inv), inv
     validate.categories(list(expect), "expect")
     if config_keys is not None:
         validate.config_keys(config_keys)

@@ -18,7 +18,7 @@ import os
 
 from salt.exceptions import SaltInvocationError
 
-from salt_multimaster import (finger, jobs, layout, lock, manifest, membership, memory, outage,
+from salt_multimaster import (finger, jobs, layout, lock, manifest, membership, outage,
                               protocol, revocation, rounds, seal, settings, transport, validate)
 from salt_multimaster import epoch as epochs
 from salt_multimaster import failback as failback_core
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # A sync waits this long for another sync of this primary to end, then gives up.
 LOCK_WAIT = 60
+# Past this many ids a targeted key sync is a full minion_keys sync.
+MAX_TARGETED_IDS = 200
 
 
 def sync(opts, context, job, peers, only, test, force, minion_ids, **kwargs):
@@ -49,7 +51,7 @@ def sync(opts, context, job, peers, only, test, force, minion_ids, **kwargs):
         elif bad_ids:
             error = f"invalid minion id(s) in minion_ids: {', '.join(map(repr, bad_ids))}"
         only = ["minion_keys"]
-        if len(ids) > memory.MAX_TARGETED_IDS:
+        if len(ids) > MAX_TARGETED_IDS:
             ids = []
     if error:
         return settings.invalid(context, error)
@@ -75,7 +77,7 @@ def run_rounds(opts, job, conf, categories, test=False, force=False, ids=None):
     ret = {peer: {"result": False, "error": message} for peer, message in bad.items()}
     peers = [p for p in conf["peers"] if p not in bad]
     if peers:
-        ret.update(rounds.Rounds(opts, conf, job, test, force).run(peers, categories, ids))
+        ret.update(rounds.Rounds(opts, conf, job, test, force, ids or None).run(peers, categories))
     return ret
 
 

@@ -87,7 +87,7 @@ def open_request(private_pem, receiver, fun, sealed):
 # ---------------------------------------------------------------------------
 REQUESTS = {
     "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "test",
-                                   "rescan", "minion_ids", "epoch"),
+                                   "rescan", "epoch"),
     "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
                                "expect", "config_keys", "keys_digest", "confirm", "epoch"),
     "multimaster_peer.restore": ("backup_name", "test", "epoch"),
@@ -228,54 +228,8 @@ def expected_digests(expect):
     return {cat: e["digest"] for cat, e in expect.items() if cat in BUCKETED}
 
 
-def targeted_expectation(keys, received):
-    """
-    What the apply of a targeted key sync expects the peer to hold, per
-    id: ``{"minion_keys": {"ids": {id: {state: sha256}}, "received": [id]}}``.
-    ``keys``: every targeted id, with the keys the peer holds of it (``{}``:
-    none); ``received``: those of the held ids the peer received from the
-    primary (its key history).  Public key hashes only.
-    """
-    return {"minion_keys": {"ids": {mid: dict(held) for mid, held in sorted(keys.items())},
-                            "received": sorted(received)}}
-
-
-def targeted_ids(expect):
-    """
-    The ids of a targeted expectation (:func:`targeted_expectation`), or
-    None for a full sync's (:func:`expectation`); :class:`ProtocolError` for
-    a malformed one (its ids are checked by the caller).
-    """
-    want = expect.get("minion_keys") if isinstance(expect, dict) else None
-    if not isinstance(want, dict) or "ids" not in want:
-        return None
-    ids, received = want.get("ids"), want.get("received")
-    if (set(expect) != {"minion_keys"} or set(want) != {"ids", "received"}
-            or not isinstance(ids, dict) or not ids or not isinstance(received, list)
-            or not all(isinstance(mid, str) and mid in ids for mid in received)
-            or not all(isinstance(held, dict) and all(
-                isinstance(state, str) and isinstance(sha, str) for state, sha in held.items())
-                for held in ids.values())):
-        raise ProtocolError(f"malformed targeted expectation {expect!r:.200}")
-    return sorted(ids)
-
-
-def _holds_ids(want, have):
-    """Whether a peer's keys of some ids (a targeted inventory entry) are as ``want`` says."""
-    if have.get("errors"):
-        return False  # a damaged key here: the primary plans from the inventory, naming it
-    man = have.get("manifest") or {}
-    for mid, keys in want["ids"].items():
-        if {state: ids[mid] for state, ids in man.items() if mid in ids} != keys:
-            return False
-    held = {mid for mid, keys in want["ids"].items() if keys}
-    return set(have.get("history") or []) & held == set(want["received"])
-
-
 def holds(expect, inv):
     """Whether the peer whose inventory is ``inv`` holds what ``expect`` says."""
-    if targeted_ids(expect) is not None:
-        return _holds_ids(expect["minion_keys"], inv.get("minion_keys") or {})
     for cat, want in expect.items():
         have = inv.get(cat) or {}
         if cat in BUCKETED:

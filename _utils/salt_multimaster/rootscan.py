@@ -62,11 +62,12 @@ class RootsScan:
     step holds them, :func:`replicate.safe_tree`), ``errors`` and
     ``damaged`` (``{saltenv: [names]}`` that exist but cannot be read:
     never read as removed), and :meth:`previous`.  ``watch``: the change
-    journal (:func:`salt_multimaster.journal.client`).
+    journal (:func:`salt_multimaster.journal.client`); ``keep=False``: the
+    store is not changed by the scan (test mode).
     """
 
-    def __init__(self, opts, cat, state_dir, rescan=False, watch=None):
-        self.cat, self.state_dir = cat, state_dir
+    def __init__(self, opts, cat, state_dir, rescan=False, watch=None, keep=True):
+        self.cat, self.state_dir, self.keep = cat, state_dir, keep
         self.roots = {env: [r for r in roots if os.path.isdir(r)]
                       for env, roots in sorted((opts.get(cat) or {}).items())}
         self.ignore = manifest.Ignore.from_opts(opts)
@@ -76,7 +77,7 @@ class RootsScan:
         store = state_store.Store(self.state_dir)
         cat = self.cat
         try:
-            with store.write():
+            with store.write(keep=self.keep):
                 changed = self._scan(store, rescan, watch)
                 rows = store.db.execute(
                     "SELECT bucket, env, root, dir, name, size, mode, sha, error FROM files "

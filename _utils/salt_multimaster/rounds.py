@@ -7,8 +7,8 @@ applies (two publishes).  When the primary knows what a peer holds (what it
 last confirmed, :func:`salt_multimaster.memory.remembered`), a change sync is
 one publish: the apply goes out with the digests the peer is expected to
 hold, and a peer that holds something else answers with its inventory (the
-second round).  A targeted key sync (``minion_ids``) does the same with the
-keys of those ids.
+second round).  A targeted key sync (``minion_ids``) is a sync of
+``minion_keys`` whose plan keeps the keys of those ids only.
 
 Everything Salt does is passed in (``salt``, see :class:`Rounds`): the
 runner publishes through ``LocalClient`` and fires progress events; the
@@ -41,6 +41,9 @@ class Outcome:
     kind: str
     report: dict = None
     inventory: dict = None
+    #: a targeted sync left keys of other ids as they differ: the peer
+    #: does not hold what the primary does
+    partial: bool = False
 
 
 class Rounds:
@@ -60,12 +63,14 @@ class Rounds:
     - ``jid_dir(jid)``: a job's directory in the job cache.
     """
 
-    def __init__(self, opts, conf, salt, test=False, force=False):
+    def __init__(self, opts, conf, salt, test=False, force=False, ids=None):
         self.opts = opts
         self.conf = conf
         self.salt = salt
         self.test = test
         self.force = force
+        #: a targeted key sync of these minion ids
+        self.ids = ids
         # this primary's epoch, in every request: a peer promoted away from
         # it refuses it
         self.claim = epoch.claim(opts, conf.get("configured_peers") or conf["peers"],
@@ -75,27 +80,22 @@ class Rounds:
     def read_primary(self, categories):
         conf = self.conf
         return core.read_primary(self.opts, categories, conf["topology"],
-                                 conf["master_config_keys"], conf["rescan"])
+                                 conf["master_config_keys"], conf["rescan"], keep=not self.test)
 
-    def ask(self, peers, categories, digests=None, ids=None):
+    def ask(self, peers, categories, digests=None):
         """
-        Every peer's inventory of ``categories`` against ``digests``, or
-        with ``ids`` its keys of those minion ids only: ``{peer: (reply,
-        error)}``.
+        Every peer's inventory of ``categories`` against ``digests``:
+        ``{peer: (reply, error)}``.
         """
-        return self._publish_inventory(peers, categories, digests, ids).replies(
+        return self._publish_inventory(peers, categories, digests).replies(
             self._inventory_wait(peers))
 
-    def _publish_inventory(self, peers, categories, digests, ids=None):
+    def _publish_inventory(self, peers, categories, digests):
         conf = self.conf
-        if ids is not None:
-            request = protocol.request("multimaster_peer.inventory", categories=["minion_keys"],
-                                       minion_ids=ids, test=self.test, epoch=self.claim)
-        else:
-            request = protocol.request(
-                "multimaster_peer.inventory", categories=categories, digests=digests,
-                topology=conf["topology"], config_keys=conf["master_config_keys"],
-                test=self.test, rescan=conf["rescan"] or None, epoch=self.claim)
+        request = protocol.request(
+            "multimaster_peer.inventory", categories=categories, digests=digests,
+            topology=conf["topology"], config_keys=conf["master_config_keys"],
+            test=self.test, rescan=conf["rescan"] or None, epoch=self.claim)
         return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
 
     def _inventory_wait(self, peers):
@@ -189,16 +189,18 @@ class Rounds:
         :class:`Outcome`, a ``report`` unless the apply is
         conditional (``expect``: ``inv`` is then what the primary last
         confirmed it held) and came to ``nothing`` (nothing to apply; a
-        targeted key sync publishes it all the same: the peer confirms),
-        ``refused`` or ``mismatch``.
+        targeted key sync publishes it all the same: the peer confirms the
+        keys of the ids in one publish), ``refused`` or ``mismatch``.
         """
         conf, test = self.conf, self.test
         found = []
         ops, plan_report = core.plan(conf["topology"], categories, primary, inv, self.force,
-                                     found)
+                                     found, self.ids)
+        # a targeted sync leaves the peer a replica when the plan of every id is its plan
+        partial = self.ids is not None and core.plan(
+            conf["topology"], categories, primary, inv, self.force) != (ops, plan_report)
         ops = {c: o for c, o in ops.items() if o}
-        targeted = "ids" in (primary.get("minion_keys") or {})
-        if expect is not None and not ops and not targeted:
+        if expect is not None and not ops and self.ids is None:
             return Outcome("nothing")
         ret = {"result": True}
         ret.update(plan_report)
@@ -213,11 +215,13 @@ class Rounds:
         keys = inv.get("minion_keys") or {}
         keys_digest = (primary["minion_keys"].get("digest")
                        if "minion_keys" in categories else None)
-        confirm = None if targeted else outage.confirm_digests(primary, categories)
-        if not test and (ops or expect is not None
-                         or (keys_digest and keys.get("history_recorded") is False)
-                         or (not targeted and (outage.stale(inv, categories, primary)
-                                               or outage.converged(found)))):
+        confirm = outage.confirm_digests(primary, categories)
+        # an apply of nothing records what the peer holds in step (a full
+        # sync's work: a targeted one publishes only what it plans)
+        record = self.ids is None and (
+            (keys_digest and keys.get("history_recorded") is False)
+            or outage.stale(inv, categories, primary) or outage.converged(found))
+        if not test and (ops or expect is not None or record):
             applied, error = self.apply(peer, ops, primary, how, keys_digest, expect, confirm)
             if error:
                 ret["result"] = False
@@ -225,7 +229,7 @@ class Rounds:
                 core.unconfirmed(ret, categories)
                 return Outcome("report", ret)
             if isinstance(applied, Outcome):
-                return applied
+                return dataclasses.replace(applied, partial=partial)
             core.merge(plan_report, applied)
             for key in ("restart", "backup", "aes_rotation"):
                 if applied.get(key):
@@ -237,7 +241,8 @@ class Rounds:
                 inv = dict(inv, **{k: applied.get(k) for k in
                                    ("master_running", "master_address", "restart_pending",
                                     "master_restart")})
-        return Outcome("report", core.finish(peer, ret, inv, categories, test=test))
+        return Outcome("report", core.finish(peer, ret, inv, categories, test=test),
+                       partial=partial)
 
     def sync_remembered(self, peer, categories, primary, held):
         """
@@ -245,7 +250,7 @@ class Rounds:
         last confirmed to hold (``held``) and publish the apply conditional
         on it.  A peer that holds something else answers with its
         inventory, and is planned from it (the usual second round).  Returns
-        ``(report, the inventory planned from)``.
+        ``(report outcome, the inventory planned from)``.
         """
         inv = memory.expected_inventory(held)
         sent = protocol.expected_digests(protocol.expectation(held))
@@ -254,7 +259,7 @@ class Rounds:
             out = self.sync_one(peer, categories, primary, inv,
                                 expect=protocol.expectation(held))
             if out.kind == "report":
-                return out.report, inv
+                return out, inv
         if out is not None and out.kind == "mismatch":
             log.info("multimaster: %s does not hold what it was last sent", peer)
             inv = out.inventory
@@ -263,59 +268,21 @@ class Rounds:
             inv, error = self.ask([peer], categories,
                                   core.current_digests(primary, categories))[peer]
             if error:
-                return {"result": False, "error": error}, {}
-        return self.sync_one(peer, categories, primary, inv).report, inv
-
-    def sync_targeted(self, peer, primary, held):
-        """
-        A targeted key sync in one publish: plan ``peer`` as holding
-        ``held`` of the ids (:func:`salt_multimaster.memory.targeted_held`)
-        and publish the apply conditional on it (even with nothing to apply:
-        the peer confirms).  A peer holding something else answers with its
-        keys of the ids, and is planned from them (the second round); a peer
-        refusing the condition (an older one) is asked for them.  Returns
-        ``(report, the keys of the ids planned from, or None after a
-        refusal)``.
-        """
-        categories = ["minion_keys"]
-        inv = memory.targeted_inventory(held)
-        out = self.sync_one(peer, categories, primary, inv,
-                            expect=protocol.targeted_expectation(held["keys"], held["received"]))
-        if out.kind == "report":
-            return out.report, inv
-        ids = primary["minion_keys"]["ids"]
-        if out.kind != "mismatch":
-            got, error = self.ask([peer], categories, ids=ids)[peer]
-            if error:
-                return {"result": False, "error": error}, None
-            return self.sync_one(peer, categories, primary, got).report, None
-        log.info("multimaster: %s does not hold the keys of %s it was last sent", peer,
-                 ", ".join(ids))
-        return self.sync_one(peer, categories, primary, out.inventory).report, out.inventory
+                return Outcome("report", {"result": False, "error": error}), {}
+        return self.sync_one(peer, categories, primary, inv), inv
 
     # ----- a whole sync --------------------------------------------------------
-    def run(self, peers, categories, ids=None):
+    def run(self, peers, categories):
         """
         Sync ``peers`` (all valid, reachable as far as the primary knows):
-        ``{peer: report}``, each peer in parallel.  ``ids``: a targeted key
-        sync of these minion ids.
+        ``{peer: report}``, each peer in parallel.
         """
         opts, test = self.opts, self.test
         self.salt.progress(f"multimaster: reading the primary's state for "
                            f"{', '.join(categories)}")
-        held = {} if test or self.conf["rescan"] or ids else {
+        held = {} if test or self.conf["rescan"] else {
             peer: memory.remembered(opts, peer, categories) for peer in peers}
-        known = {}
-        if ids:
-            # targeted: the peers' keys of these ids, planned here like a full
-            # sync; known from what a peer was last confirmed to hold, one publish
-            primary = core.read_primary_keys(opts, ids)
-            if not test:
-                base = memory.snapshot_keys(opts, ids)
-                known = {peer: memory.targeted_held(opts, peer, ids, base) for peer in peers}
-            slow = [peer for peer in peers if not known.get(peer)]
-            invs = self.ask(slow, ["minion_keys"], ids=ids) if slow else {}
-        elif any(held.values()):
+        if any(held.values()):
             # what a peer holds is known: read here first, then one publish each
             primary = self.read_primary(categories)
             slow = [peer for peer in peers if not held[peer]]
@@ -325,23 +292,25 @@ class Rounds:
             primary, invs = self.inventories(categories, peers)
 
         def one(peer):
-            inv = {}
+            inv, out = {}, None
             try:
-                if ids and known.get(peer):
-                    res, inv = self.sync_targeted(peer, primary, known[peer])
-                elif held.get(peer):
-                    res, inv = self.sync_remembered(peer, categories, primary, held[peer])
+                if held.get(peer):
+                    out, inv = self.sync_remembered(peer, categories, primary, held[peer])
                 else:
                     inv, error = invs[peer]
-                    res = ({"result": False, "error": error} if error else
-                           self.sync_one(peer, categories, primary, inv).report)
+                    out = (Outcome("report", {"result": False, "error": error}) if error else
+                           self.sync_one(peer, categories, primary, inv))
+                res = out.report
             except Exception as exc:  # pylint: disable=broad-except
                 log.exception("multimaster: sync of %s failed", peer)
                 res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
-            if not test and not ids:
+            if test:
+                pass
+            elif out is not None and out.partial:
+                # the keys of other ids left as they differ: not a replica of them
+                memory.forget(opts, peer, ["minion_keys"])
+            else:
                 memory.remember(opts, peer, categories, primary, inv or {}, res)
-            elif not test:
-                memory.remember_targeted(opts, peer, known.get(peer), primary, res, inv)
             return res
 
         ret = {}

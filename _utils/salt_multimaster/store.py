@@ -152,11 +152,12 @@ class Store:
         self.db.close()
 
     @contextlib.contextmanager
-    def write(self, durable=False):
+    def write(self, durable=False, keep=True):
         """
         A transaction (``with store.write():``), begun at once, rolled back
         on an error; ``durable``: flushed to disk at its commit (a record,
-        not a cache).
+        not a cache); ``keep=False``: rolled back at its end too (a scan in
+        test mode reads through the store and changes nothing).
         """
         if durable:
             self.db.execute("PRAGMA synchronous=FULL")
@@ -167,7 +168,7 @@ class Store:
             except BaseException:
                 self.db.execute("ROLLBACK")
                 raise
-            self.db.execute("COMMIT")
+            self.db.execute("COMMIT" if keep else "ROLLBACK")
         finally:
             if durable:
                 with contextlib.suppress(sqlite3.Error):

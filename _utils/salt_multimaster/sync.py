@@ -76,8 +76,11 @@ def saved_digests(opts, categories):
     return digests
 
 
-def read_primary(opts, categories, topology, config_keys, rescan=False):
-    """The primary's manifests, and the contents they describe, on demand."""
+def read_primary(opts, categories, topology, config_keys, rescan=False, keep=True):
+    """
+    The primary's manifests, and the contents they describe, on demand;
+    ``keep=False`` (test mode): the state store is not changed by the scans.
+    """
     cache_dir = layout.state_dir(opts)
     errors, state = [], {}
     changes = journal.client(cache_dir)
@@ -88,12 +91,13 @@ def read_primary(opts, categories, topology, config_keys, rescan=False):
     for cat in categories:
         if cat == "minion_keys":
             snap = keyscan.KeysSnapshot(opts["pki_dir"], cache_dir, rescan=rescan,
-                                        watch=changes)
+                                        watch=changes, keep=keep)
             errors.extend(snap.errors)
             state[cat] = {"parts": snap.parts, "digest": snap.digest, "counts": snap.counts,
                           "previous": snap.previous_parts(), "damaged": snap.damaged}
         elif cat in rootscan.ROOTS:
-            scan = rootscan.RootsScan(opts, cat, cache_dir, rescan=rescan, watch=changes)
+            scan = rootscan.RootsScan(opts, cat, cache_dir, rescan=rescan, watch=changes,
+                                      keep=keep)
             errors.extend(scan.errors)
             # the digests describe a peer in step: modes less the bits a
             # sync never writes (the plan warns of those)
@@ -109,21 +113,6 @@ def read_primary(opts, categories, topology, config_keys, rescan=False):
             state[cat] = {"manifest": {k: opts.get(k) for k in config_keys}}
     state["errors"] = [str(e) for e in errors]
     state["damaged"] = damaged_messages(state, categories)
-    return state
-
-
-def read_primary_keys(opts, ids):
-    """
-    The primary's state for a targeted key sync of ``ids``: the
-    ``minion_keys`` entry of :func:`read_primary` over these ids only (a
-    few stat calls per id, no listing of every key).
-    """
-    errors = []
-    keys = keyscan.keys_state(opts["pki_dir"], ids, errors=errors)
-    damaged = manifest.damaged_sources(errors)
-    state = {"minion_keys": {"ids": sorted(ids), "manifest": keys, "damaged": damaged},
-             "errors": [str(e) for e in errors]}
-    state["damaged"] = damaged_messages(state, ["minion_keys"])
     return state
 
 
@@ -204,14 +193,21 @@ def peer_buckets(cat, primary, theirs):
     return need, peer_man, history
 
 
-def plan(topology, categories, primary, inv, force, found_all=None):
+def only_ids(man, ids):
+    """A keys manifest (``{state: {id: sha256}}``) of ``ids`` only."""
+    ret = {state: {mid: sha for mid, sha in keys.items() if mid in ids}
+           for state, keys in man.items()}
+    return {state: keys for state, keys in ret.items() if keys}
+
+
+def plan(topology, categories, primary, inv, force, found_all=None, ids=None):
     """
     ``({category: ops}, {category: report})`` making the peer whose
-    inventory is ``inv`` mirror ``primary`` (:func:`read_primary`, or
-    :func:`read_primary_keys` for a targeted sync).  ``force``: a bool, or
-    ``{category: item names}`` forced (:func:`outage.forced`).
-    ``found_all``: a list given every item the peer changed since its last
-    sync (:func:`outage.classify`).
+    inventory is ``inv`` mirror ``primary`` (:func:`read_primary`).
+    ``force``: a bool, or ``{category: item names}`` forced
+    (:func:`outage.forced`).  ``found_all``: a list given every item the
+    peer changed since its last sync (:func:`outage.classify`).  ``ids``:
+    a targeted key sync, the keys of these minion ids only.
     """
     ops, report = {}, {}
     for cat in categories:
@@ -219,16 +215,12 @@ def plan(topology, categories, primary, inv, force, found_all=None):
         entry = primary[cat]
         found = []
         keep = outage.forced(force, cat)
-        if cat == "minion_keys" and "ids" in entry:
-            # targeted: the peer's keys of these ids, all of them detailed
-            mine, peer_man, found = outage.classify(
-                cat, entry["manifest"], theirs.get("manifest") or {}, theirs.get("record"), keep)
-            cat_ops, rep = outage.plan_keys(mine, peer_man, theirs.get("history"), force,
-                                            damaged=entry["damaged"])
-        elif cat in protocol.BUCKETED:
+        if cat in protocol.BUCKETED:
             # only the buckets where the peer differs are compared
             need, peer_man, history = peer_buckets(cat, primary, theirs)
             mine = manifest.merge(entry["parts"], need) if need else {}
+            if cat == "minion_keys" and ids is not None:
+                mine, peer_man = only_ids(mine, ids), only_ids(peer_man, ids)
             # what the peer changed since it last confirmed: left in place
             mine, peer_man, found = outage.classify(cat, mine, peer_man, theirs.get("record"),
                                                     keep)

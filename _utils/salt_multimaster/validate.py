@@ -296,18 +296,3 @@ def ops(value):
         for index, op in enumerate(cat_ops):
             _op(cat, index, op)
     return value
-
-
-def minion_ids(value, maximum=None):
-    """
-    The ids of a targeted key sync: a non-empty list of valid minion ids
-    (at most ``maximum``).
-    """
-    if not isinstance(value, (list, tuple)) or not value:
-        raise InvalidInput(f"minion_ids must be a non-empty list of minion ids, not {value!r}")
-    bad = [mid for mid in value if not isinstance(mid, str) or not manifest.valid_minion_id(mid)]
-    if bad:
-        raise InvalidInput(f"minion_ids: invalid minion id(s) {', '.join(map(repr, bad))}")
-    if maximum is not None and len(value) > maximum:
-        raise InvalidInput(f"minion_ids: {len(value)} ids, at most {maximum}")
-    return list(value)

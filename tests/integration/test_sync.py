@@ -519,8 +519,9 @@ def test_conflicts_are_reported_and_forced(cluster):
 def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
     """
     minion_ids (what the salt/key reactor passes): same plan, and after a
-    full sync one publish per peer (an apply, no inventory): the primary
-    knows what each peer holds of the ids.
+    full sync one publish per peer (an apply, no inventory); when keys of
+    other ids differ too, the primary forgets what the peers hold and asks
+    them once at the next sync.
     """
     pki = cluster.pki_dir(cluster.primary)
     (pki / "minions" / "tgt1").write_bytes(gen_keypair(1024)[1])
@@ -543,9 +544,17 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
         assert not (ppki / "minions" / "untargeted").exists()
     new = _new_jobs(cluster, before)
     assert new == {"multimaster_peer.inventory": 0, "multimaster_peer.apply": 2}, new
+    # the peers lack "untargeted": what they hold is no longer known (asked,
+    # nothing to apply)
+    (pki / "minions" / "untargeted").unlink()
+    before = _peer_jobs(cluster)
+    ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
+    assert ret.returncode == 0, ret
+    assert _new_jobs(cluster, before) == {
+        "multimaster_peer.inventory": 1, "multimaster_peer.apply": 0}, ret
 
     # rejected on the primary: moved on the peers, the old file backed up;
-    # still one publish each (the primary remembered what the last one set)
+    # one publish each (the primary remembered what the last one set)
     (pki / "minions" / "tgt1").rename(pki / "minions_rejected" / "tgt1")
     before = _peer_jobs(cluster)
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1")
@@ -612,7 +621,7 @@ def test_targeted_key_sync_mirrors_only_the_ids_given(cluster):
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "minion_ids=tgt1",
                            "only=file_roots")
     assert ret.returncode != 0 and "file_roots" in ret.data["error"], ret
-    for name in ("minions/tgt1", "minions/tgt2", "minions/untargeted"):
+    for name in ("minions/tgt1", "minions/tgt2"):
         (pki / name).unlink()
     ret = cluster.salt_run(cluster.primary, "multimaster.sync", "only=minion_keys")
     assert ret.returncode == 0, ret

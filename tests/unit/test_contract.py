@@ -13,7 +13,7 @@ import sqlite3
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import (applier, history, keyscan, manifest, memory, peer, protocol,
+from salt_multimaster import (applier, history, manifest, memory, peer, protocol,
                               restart, restore, seal, store, sync, transport, validate)
 from tests.support.cluster import gen_keypair
 
@@ -185,16 +185,23 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
     assert ops == {}
 
 
-def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
+def test_a_targeted_plan_keeps_the_keys_of_those_ids_only(pair):
     primary_opts, mopts, minion_priv, tmp_path = pair
     pki = tmp_path / "m1" / "pki"
     key = gen_keypair(1024)[1]
     (pki / "minions" / "web1").write_bytes(key)
     (pki / "minions" / "other").write_bytes(gen_keypair(1024)[1])
     state = str(tmp_path / "m2-minion-state")
-    primary = sync.read_primary_keys(primary_opts, ["web1"])
-    inv = peer.targeted_inventory(mopts, state, ["web1"])
-    ops, report = sync.plan("shared", ["minion_keys"], primary, inv, False)
+
+    def targeted():
+        primary = sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
+        inv = peer.inventory(mopts, state, ["minion_keys"],
+                             sync.current_digests(primary, ["minion_keys"]), "shared",
+                             CONFIG_KEYS)
+        ops, report = sync.plan("shared", ["minion_keys"], primary, inv, False, ids=["web1"])
+        return primary, inv, ops, report
+
+    primary, _, ops, report = targeted()
     assert report["minion_keys"]["added"] == ["minions/web1"]
     how = transport.transport(primary_opts, "m2", ops, transport.INLINE_LIMIT)
     transport.attach_contents(primary_opts, "m2", ops, primary, how)
@@ -203,13 +210,13 @@ def test_a_targeted_plan_from_the_peers_keys_of_those_ids(pair):
     assert not (tmp_path / "m2" / "pki" / "minions" / "other").exists()
     # deleted on the primary: the peer received it from the primary, so it goes
     (pki / "minions" / "web1").unlink()
-    primary = sync.read_primary_keys(primary_opts, ["web1"])
-    inv = peer.targeted_inventory(mopts, state, ["web1"])
-    assert inv["minion_keys"]["history"] == ["web1"]
-    ops, report = sync.plan("shared", ["minion_keys"], primary, inv, False)
+    _, inv, ops, report = targeted()
+    assert "web1" in inv["minion_keys"]["history"]
     assert report["minion_keys"]["removed"] == ["minions/web1"]
+    assert report["minion_keys"]["added"] == []
     applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None)
     assert not (tmp_path / "m2" / "pki" / "minions" / "web1").exists()
+    assert not (tmp_path / "m2" / "pki" / "minions" / "other").exists()
 
 
 def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pair):
@@ -266,164 +273,6 @@ def test_a_change_sync_planned_from_what_the_peer_was_last_confirmed_to_hold(pai
     _assert_replica(primary_opts, mopts)
     with pytest.raises(validate.InvalidInput, match="expect must be a mapping"):
         applier.apply(mopts, state, {}, "shared", 10, unseal, fetch, lambda: None, expect=[1])
-
-
-def _held(opts, peer, ids):
-    """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
-    return memory.targeted_held(opts, peer, ids, memory.snapshot_keys(opts, ids))
-
-
-def _same_bucket(mid, prefix):
-    """An id (``prefix`` and a number) in the bucket of ``mid``."""
-    return next(f"{prefix}{i}" for i in range(10000)
-                if manifest.bucket_of(f"{prefix}{i}") == manifest.bucket_of(mid)
-                and f"{prefix}{i}" != mid)
-
-
-def _targeted(primary_opts, mopts, state, ids, held, force=False):
-    """
-    One targeted sync as the runner runs it when it knows what the peer
-    holds (``held``): the conditional apply, and the second round when the
-    peer answers with its keys.  ``(primary, report, first reply)``.
-    """
-    primary = sync.read_primary_keys(primary_opts, ids)
-    inv = memory.targeted_inventory(held)
-    expect = protocol.targeted_expectation(held["keys"], held["received"])
-    for _ in range(2):
-        ops, report = sync.plan("shared", ["minion_keys"], primary, inv, force)
-        ops = {c: o for c, o in ops.items() if o}
-        transport.attach_contents(primary_opts, "m2", ops, primary, {"mode": "inline"})
-        got = applier.apply(mopts, state, ops, "shared", 10, None, lambda ops: {}, lambda: None,
-                            expect=expect)
-        if expect is not None:
-            first = got
-        if "inventory" not in got:
-            break
-        inv, expect = got["inventory"], None
-    sync.merge(report, got)
-    result = not report["minion_keys"]["conflicts"] and not report["minion_keys"]["errors"]
-    memory.remember_targeted(primary_opts, "m2", held, primary,
-                             {"result": result, "minion_keys": report["minion_keys"]}, inv)
-    return primary, report, first
-
-
-def _peer_digest(mopts, tmp_path):
-    """The peer's key digests as its inventory computes them."""
-    return keyscan.KeysSnapshot(mopts["pki_dir"], str(tmp_path / "fresh-snapshot")).digest
-
-
-def test_a_targeted_sync_in_one_publish_from_what_the_peer_was_last_confirmed_to_hold(pair):
-    primary_opts, mopts, minion_priv, tmp_path = pair
-    pki, ppki = tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"
-    state = str(tmp_path / "m2-minion-state")
-    (pki / "minions" / "web1").write_bytes(gen_keypair(1024)[1])
-    primary, _, report, _ = _roundtrip(primary_opts, mopts, minion_priv, tmp_path)
-    inv = {cat: {"envs": ["base"]} for cat in ("file_roots", "pillar_roots")}
-    memory.remember(primary_opts, "m2", CATS, primary, inv, report)
-    # nothing remembered of another peer: asked (two publishes)
-    assert _held(primary_opts, "m3", ["web1"]) is None
-
-    # accepted on the primary: known to be missing there, applied in one publish
-    web2 = _same_bucket("web1", "web")
-    (pki / "minions" / web2).write_bytes(gen_keypair(1024)[1])
-    held = _held(primary_opts, "m2", ["web1", web2])
-    web1 = manifest.merge(primary["minion_keys"]["parts"], [manifest.bucket_of("web1")])
-    assert held["keys"] == {"web1": {"minions": web1["minions"]["web1"]}, web2: {}}
-    assert held["received"] == ["web1"]
-    _, report, got = _targeted(primary_opts, mopts, state, ["web1", web2], held)
-    assert report["minion_keys"]["added"] == [f"minions/{web2}"]
-    assert got["minion_keys"] == {"errors": [], "failed": []} and "inventory" not in got
-    assert (ppki / "minions" / web2).read_bytes() == (pki / "minions" / web2).read_bytes()
-    # remembered exactly: what the peer's own inventory digests, for a full sync too
-    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
-        "digest"] == _peer_digest(mopts, tmp_path)
-
-    # the same bucket again, the primary's snapshot unchanged: still known
-    web3 = _same_bucket("web1", f"{web2}x")
-    (pki / "minions" / web3).write_bytes(gen_keypair(1024)[1])
-    os.rename(pki / "minions" / web2, pki / "minions_rejected" / web2)
-    held = _held(primary_opts, "m2", [web2, web3])
-    assert held is not None and held["received"] == [web2]
-    _, report, got = _targeted(primary_opts, mopts, state, [web2, web3], held)
-    assert sorted(report["minion_keys"]["added"]) == [f"minions/{web3}",
-                                                      f"minions_rejected/{web2}"]
-    assert report["minion_keys"]["removed"] == [f"minions/{web2}"]
-    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
-        "digest"] == _peer_digest(mopts, tmp_path)
-    # a full read replaces the snapshot: what the peer holds is known all the same
-    sync.read_primary(primary_opts, ["minion_keys"], "shared", CONFIG_KEYS)
-    assert _held(primary_opts, "m2", [web2, web3])["received"] == [web2, web3]
-
-    # the peer's own pending key for a new id (its minion asked it too): not
-    # as expected, its keys of the ids instead; the second round plans from
-    # them, and the primary remembers that key as not received from it
-    new_key = gen_keypair(1024)[1]
-    (ppki / "minions_pre" / "pend5").write_bytes(new_key)
-    (pki / "minions_pre" / "pend5").write_bytes(new_key)
-    held = _held(primary_opts, "m2", ["pend5"])
-    assert held["keys"] == {"pend5": {}}
-    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"], held)
-    assert set(got) == {"backup", "inventory"} and got["inventory"]["minion_keys"][
-        "history"] == []
-    assert all(report["minion_keys"][k] == [] for k in ("added", "removed", "conflicts"))
-    assert _held(primary_opts, "m2", ["pend5"])["received"] == []
-    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
-        "digest"] == _peer_digest(mopts, tmp_path)
-    # accepted on the primary: one round again, and the key moved on the peer
-    os.rename(pki / "minions_pre" / "pend5", pki / "minions" / "pend5")
-    _, report, got = _targeted(primary_opts, mopts, state, ["pend5"],
-                               _held(primary_opts, "m2", ["pend5"]))
-    assert "inventory" not in got and report["minion_keys"]["added"] == ["minions/pend5"]
-    assert report["minion_keys"]["removed"] == ["minions_pre/pend5"]
-    assert _held(primary_opts, "m2", ["pend5"])["received"] == ["pend5"]
-    assert memory.remembered(primary_opts, "m2", ["minion_keys"])["minion_keys"][
-        "digest"] == _peer_digest(mopts, tmp_path)
-
-    # another key behind the primary's back, since the peer last confirmed
-    # the primary's: kept and named (peer_changed), forgotten
-    other = gen_keypair(1024)[1]
-    (ppki / "minions" / web3).write_bytes(other)
-    (pki / "minions" / "fresh4").write_bytes(gen_keypair(1024)[1])
-    held = _held(primary_opts, "m2", [web3, "fresh4"])
-    _, report, got = _targeted(primary_opts, mopts, state, [web3, "fresh4"], held)
-    assert set(got) == {"backup", "inventory"}
-    assert got["inventory"]["minion_keys"]["manifest"]["minions"] == {
-        web3: manifest.key_sha(other)}
-    assert report["minion_keys"]["peer_changed"] == [
-        f"minions/{web3}: another key on the peer since its last sync (kept)"]
-    assert report["minion_keys"]["conflicts"] == []
-    assert report["minion_keys"]["added"] == ["minions/fresh4"]
-    assert (ppki / "minions" / web3).read_bytes() == other
-    assert _held(primary_opts, "m2", ["fresh4"]) is None
-    assert memory.remembered(primary_opts, "m2", ["file_roots"])  # the rest is kept
-
-
-def test_a_targeted_expectation_checks_the_key_history_too(pair):
-    primary_opts, mopts, minion_priv, tmp_path = pair
-    state = str(tmp_path / "m2-minion-state")
-    key = gen_keypair(1024)[1]
-    for pki in (tmp_path / "m1" / "pki", tmp_path / "m2" / "pki"):
-        (pki / "minions" / "web1").write_bytes(key)
-    sha = manifest.key_sha(key)
-    # the peer holds the key, never received from the primary: not as expected
-    expect = protocol.targeted_expectation({"web1": {"minions": sha}}, ["web1"])
-    held, inv = peer.check_expected(mopts, state, expect, "shared", None)
-    assert held is False and inv["minion_keys"]["history"] == []
-    assert peer.check_expected(mopts, state, protocol.targeted_expectation(
-        {"web1": {"minions": sha}}, []), "shared", None)[0] is True
-    # a damaged key on the peer is never "as expected": the inventory names it
-    (tmp_path / "m2" / "pki" / "minions" / "web1").write_text("not a key")
-    held, inv = peer.check_expected(mopts, state, protocol.targeted_expectation(
-        {"web1": {}}, []), "shared", None)
-    assert held is False and inv["minion_keys"]["errors"]
-    for bad in ({"minion_keys": {"ids": {"../x": {}}, "received": []}},
-                {"minion_keys": {"ids": {"a": {}}, "received": ["b"]}},
-                {"minion_keys": {"ids": {"a": []}, "received": []}},
-                {"minion_keys": {"ids": {"a": {}}, "received": []}, "file_roots": {}}):
-        with pytest.raises(validate.InvalidInput):
-            applier.apply(mopts, state, {}, "shared", 10, None, lambda ops: {}, lambda: None,
-                          expect=bad)
-    assert (tmp_path / "m2" / "pki" / "minions" / "web1").read_text() == "not a key"
 
 
 def test_a_restart_command_that_cannot_run_holds_back_what_needs_it(pair):

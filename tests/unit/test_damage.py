@@ -129,7 +129,7 @@ def _sync(world, caplog, force=False):
     caplog.clear()
     statefile.noticing()  # what the runner's wrapper does for its call
     ret = rounds.Rounds(world.primary_opts, _conf(), world, test=False, force=force).run(
-        [PEER], list(CATS), None)
+        [PEER], list(CATS))
     res = ret[PEER]
     assert "Traceback" not in str(res), res
     raised = [r for r in caplog.records if r.exc_info]

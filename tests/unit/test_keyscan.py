@@ -161,6 +161,19 @@ def test_previous_parts_are_the_parts_of_the_scan_replaced(pki, tmp_path):
     assert keyscan.saved_parts(str(tmp_path / "none"), [bucket]) is None
 
 
+def test_a_scan_in_test_mode_sees_the_change_and_changes_no_store(pki, tmp_path):
+    state = tmp_path / "state"
+    before = _scan(pki, state)[1]
+    (pki / "minions" / "new").write_bytes(gen_keypair(1024)[1])
+    dry = keyscan.KeysSnapshot(str(pki), str(state), keep=False)
+    assert dry.manifest == _fresh(pki, tmp_path)["manifest"] != before["manifest"]
+    assert keyscan.KeysSnapshot.saved_digest(str(pki), str(state)) == before["digest"]
+    # the next scan still replaces the one a peer in step holds
+    digest, parts = _scan(pki, state)[0].previous_parts()
+    assert (digest, dict(parts())) == (
+        before["digest"], manifest.split("minion_keys", before["manifest"]))
+
+
 @pytest.mark.parametrize("how", store_damage.DAMAGES)
 def test_a_damaged_store_is_rebuilt_by_a_full_scan(pki, tmp_path, how, reads):
     state = tmp_path / "state"

@@ -142,33 +142,6 @@ def test_refusal_shows_the_snippet_to_paste():
     assert salt.utils.yaml.safe_load(snippet) == {"peer_run": {"master02$": ["multimaster.pull"]}}
 
 
-def test_a_targeted_expectation_names_each_id_and_is_checked_per_id():
-    expect = protocol.targeted_expectation({"b": {}, "a": {"minions": "s1"}}, ["a"])
-    assert expect == {"minion_keys": {"ids": {"a": {"minions": "s1"}, "b": {}},
-                                      "received": ["a"]}}
-    assert protocol.targeted_ids(expect) == ["a", "b"]
-    # a full sync's expectation is not targeted
-    assert protocol.targeted_ids({"minion_keys": {"digest": {"0": "d"}}}) is None
-    inv = {"minion_keys": {"manifest": {"minions": {"a": "s1"}, "minions_pre": {}},
-                           "history": ["a", "b"], "errors": []}}
-    assert protocol.holds(expect, inv) is True
-    assert protocol.holds(expect, {"minion_keys": {"manifest": {"minions": {"a": "s2"}},
-                                                   "history": ["a"], "errors": []}}) is False
-    assert protocol.holds(expect, {"minion_keys": {"manifest": {"minions": {"a": "s1"},
-                                                                "minions_pre": {"b": "s3"}},
-                                                   "history": ["a"], "errors": []}}) is False
-    assert protocol.holds(expect, {"minion_keys": {"manifest": {"minions": {"a": "s1"}},
-                                                   "history": [], "errors": []}}) is False
-    assert protocol.holds(expect, {"minion_keys": dict(inv["minion_keys"],
-                                                       errors=["x: damaged"])}) is False
-    for bad in ({"minion_keys": {"ids": {}, "received": []}},
-                {"minion_keys": {"ids": {"a": {"minions": 1}}, "received": []}},
-                {"minion_keys": {"ids": {"a": {}}, "received": "a"}},
-                {"minion_keys": {"ids": {"a": {}}, "received": [], "digest": {}}}):
-        with pytest.raises(protocol.ProtocolError, match="malformed targeted expectation"):
-            protocol.targeted_ids(bad)
-
-
 def test_a_refusal_is_told_from_a_failure():
     assert protocol.refused({"result": False, "error": "bad", "protocol": protocol.PROTOCOL})
     assert not protocol.refused({"result": False, "error": "bad"})  # another version

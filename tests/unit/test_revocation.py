@@ -98,9 +98,10 @@ def test_a_targeted_plan_leaves_a_revocation_too(pair):
     key = gen_keypair(1024)[1]
     (tmp_path / "m1" / "pki" / "minions" / "web1").write_bytes(key)
     (tmp_path / "m2" / "pki" / "minions_rejected" / "web1").write_bytes(key)
-    primary = sync.read_primary_keys(primary_opts, ["web1"])
-    inv = peer.targeted_inventory(mopts, str(tmp_path / "m2-minion-state"), ["web1"])
-    ops, rep = sync.plan("shared", ["minion_keys"], primary, inv, False)
+    primary = sync.read_primary(primary_opts, ["minion_keys"], "shared", [])
+    inv = peer.inventory(mopts, str(tmp_path / "m2-minion-state"), ["minion_keys"],
+                         sync.current_digests(primary, ["minion_keys"]), "shared", [])
+    ops, rep = sync.plan("shared", ["minion_keys"], primary, inv, False, ids=["web1"])
     assert ops == {"minion_keys": []}
     assert rep["minion_keys"]["conflicts"][0].startswith(
         "minions_rejected/web1: revoked on this peer master"), rep

@@ -189,6 +189,19 @@ def test_previous_is_the_scan_replaced_as_a_peer_in_step_holds_it(tree, tmp_path
     assert rootscan.saved_digests(str(tmp_path / "none"), "file_roots") is None
 
 
+def test_a_scan_in_test_mode_sees_the_change_and_changes_no_store(tree, tmp_path):
+    a, b = tree
+    opts, state = _opts(a, b), tmp_path / "state"
+    before = _read(opts, state)["file_roots"]
+    (a / "x.sls").write_text("x changed")
+    dry = rootscan.RootsScan(opts, "file_roots", str(state), keep=False)
+    assert dry.safe == _read(opts, tmp_path / "fresh")["file_roots"]["safe"] != before["safe"]
+    assert rootscan.saved_digests(str(state), "file_roots") == before["safe"]
+    digest, parts = _scans(opts, state)["file_roots"].previous()
+    assert (digest, parts()) == (
+        before["safe"], {b: replicate.safe_tree(p) for b, p in before["parts"].items()})
+
+
 def test_other_roots_or_ignore_rules_start_afresh(tree, tmp_path):
     a, b = tree
     opts, state = _opts(a, b), tmp_path / "state"

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from salt_multimaster import (applier, history, manifest, peer, protocol, rounds, seal, sync,
+from salt_multimaster import (applier, history, manifest, memory, peer, protocol, rounds, seal, sync,
                               transport)
 from tests.support.cluster import gen_keypair
 from tests.unit import test_contract as contract
@@ -42,8 +42,6 @@ class FakeSalt:
     def _run(self, fun, request):
         _read_dropin(self.mopts)
         if fun == "multimaster_peer.inventory":
-            if "minion_ids" in request:
-                return peer.targeted_inventory(self.mopts, self.state_dir, request["minion_ids"])
             return peer.inventory(self.mopts, self.state_dir, request["categories"],
                                   request.get("digests") or {}, request["topology"],
                                   request.get("config_keys"), rescan=bool(request.get("rescan")))
@@ -103,8 +101,8 @@ def fake(pair):
 
 def _sync(fake, categories=CATS, ids=None, test=False, force=False):
     fake.published.clear()
-    ret = rounds.Rounds(fake.primary_opts, _conf(), fake, test=test, force=force).run(
-        [PEER], list(categories), ids)
+    ret = rounds.Rounds(fake.primary_opts, _conf(), fake, test=test, force=force,
+                        ids=ids).run([PEER], list(categories))
     return ret[PEER], list(fake.published)
 
 
@@ -170,17 +168,49 @@ def test_a_targeted_key_sync_after_a_full_sync_is_one_publish(fake):
     _sync(fake)
     with open(f"{tmp_path}/m1/pki/minions_pre/new1", "wb") as fh:
         fh.write(gen_keypair(1024)[1])
+    # a test run reads through the state store and changes nothing in it
+    res, published = _sync(fake, ["minion_keys"], ids=["new1"], test=True)
+    assert published == ["inventory"] and res["minion_keys"]["added"] == ["minions_pre/new1"]
     res, published = _sync(fake, ["minion_keys"], ids=["new1"])
     assert published == ["apply"], res
     assert res["minion_keys"]["added"] == ["minions_pre/new1"]
     _assert_replica(fake.primary_opts, fake.mopts)
+    # nothing to apply: the conditional apply confirms the keys of the id
+    res, published = _sync(fake, ["minion_keys"], ids=["new1"])
+    assert published == ["apply"] and res["result"] is True, res
+    assert not any(res["minion_keys"].values()), res
+
+
+def test_a_targeted_key_sync_leaves_the_other_ids_and_what_the_peer_holds_is_forgotten(fake):
+    """
+    A targeted sync plans the keys of its ids only; when keys of other ids
+    differ too, the peer is no replica of the primary's keys: what it holds
+    is forgotten, and the next sync asks it (two publishes).
+    """
+    tmp_path = fake.state_dir.rsplit("/", 1)[0]
+    _sync(fake)
+    for mid in ("new1", "other1"):
+        with open(f"{tmp_path}/m1/pki/minions_pre/{mid}", "wb") as fh:
+            fh.write(gen_keypair(1024)[1])
+    res, published = _sync(fake, ["minion_keys"], ids=["new1"])
+    assert published == ["apply"], res
+    assert res["result"] is True and res["minion_keys"]["added"] == ["minions_pre/new1"], res
+    assert os.path.exists(f"{tmp_path}/m2/pki/minions_pre/new1")
+    assert not os.path.exists(f"{tmp_path}/m2/pki/minions_pre/other1")
+    assert memory.remembered(fake.primary_opts, PEER, ["minion_keys"]) is None
+    res, published = _sync(fake, ["minion_keys"], ids=["other1"])
+    assert published == ["inventory", "apply"], res
+    assert res["minion_keys"]["added"] == ["minions_pre/other1"], res
+    _assert_replica(fake.primary_opts, fake.mopts)
+    # a replica again: remembered, one publish
+    assert memory.remembered(fake.primary_opts, PEER, ["minion_keys"]) is not None
 
 
 def test_a_peer_refusing_the_condition_is_asked_and_synced_as_before(fake):
     """
     A peer older than the conditional apply refuses it as invalid (nothing
     applied): the primary asks for its inventory and applies as a full sync
-    does; a targeted key sync asks for its keys of the ids.
+    does; a targeted key sync too.
     """
     tmp_path = fake.state_dir.rsplit("/", 1)[0]
     _sync(fake)

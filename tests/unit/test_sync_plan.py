@@ -1,8 +1,6 @@
 """Planning a peer from the primary's previous state: the same plan as from the peer's details."""
 
-import os
-
-from salt_multimaster import manifest, memory, replicate, store, sync
+from salt_multimaster import manifest, sync
 from tests.support.keys import digest_of_keys
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -100,82 +98,6 @@ def test_a_previous_state_that_does_not_match_its_digests_is_not_trusted():
     assert not sync.unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
     primary["minion_keys"]["previous"] = (sent, lambda: {})  # lost its content
     assert sync.unplannable(["minion_keys"], primary, inv, {"minion_keys": sent})
-
-
-def _held(opts, peer, ids):
-    """What the runner knows ``peer`` holds of ``ids`` (None: it asks)."""
-    return memory.targeted_held(opts, peer, ids, memory.snapshot_keys(opts, ids))
-
-
-def _snapshot_of(tmp_path, man):
-    """A primary whose last key scan (its state store) holds ``man``; its options."""
-    opts = {"cachedir": str(tmp_path / "cache"), "pki_dir": str(tmp_path / "pki")}
-    saved = store.Store(str(tmp_path / "cache" / "multimaster"))
-    parts = manifest.split("minion_keys", man)
-    with saved.write():
-        saved.db.executemany("INSERT INTO keys VALUES (?, ?, ?, 1, 2, 3, 4, ?)", [
-            (state, mid, manifest.bucket_of(mid), sha)
-            for state, keys in man.items() for mid, sha in keys.items()])
-        saved.set_digests("minion_keys", manifest.bucket_digests(parts))
-        saved.set_meta("keys", {"pki_dir": opts["pki_dir"]})
-    saved.close()
-    return opts
-
-
-def _keys_primary(man, ids):
-    keys = {s: {mid: sha for mid, sha in k.items() if mid in ids} for s, k in man.items()}
-    return {"minion_keys": {"ids": sorted(ids), "manifest": keys, "damaged": {}}, "errors": []}
-
-
-def test_a_targeted_plan_from_what_the_peer_holds_equals_the_plan_from_its_keys(tmp_path):
-    before = {"minions": {"web1": A, "web2": B}, "minions_pre": {"new1": C}}
-    opts = _snapshot_of(tmp_path, before)
-    memory.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
-        before)}}, {}, {"minion_keys": replicate.empty_report()})
-    held = _held(opts, "p", ["web2", "new1", "gone"])
-    assert held["keys"] == {"web2": {"minions": B}, "new1": {"minions_pre": C}, "gone": {}}
-    assert held["received"] == ["new1", "web2"]
-    # new1 accepted, web2 deleted, gone still absent on the primary
-    now = {"minions": {"web1": A, "new1": C}}
-    primary = _keys_primary(now, ["web2", "new1", "gone"])
-    ids_inv = {"minion_keys": {"manifest": {"minions": {"web2": B}, "minions_pre": {"new1": C}},
-                               "history": ["new1", "web2"], "errors": []}}
-    assert (sync.plan("shared", ["minion_keys"], primary, memory.targeted_inventory(held), False)
-            == sync.plan("shared", ["minion_keys"], primary, ids_inv, False))
-    ops, report = sync.plan("shared", ["minion_keys"], primary, memory.targeted_inventory(held),
-                            False)
-    assert sorted(report["minion_keys"]["removed"]) == ["minions/web2", "minions_pre/new1"]
-    memory.remember_targeted(opts, "p", held, primary, {"result": True, "minion_keys": report[
-        "minion_keys"]}, memory.targeted_inventory(held))
-    assert memory.remembered(opts, "p", ["minion_keys"])["minion_keys"]["digest"] == (
-        digest_of_keys(now))
-
-
-def test_a_targeted_sync_is_two_publishes_when_what_the_peer_holds_is_not_known(tmp_path):
-    before = {"minions": {"web1": A}}
-    opts = _snapshot_of(tmp_path, before)
-    assert _held(opts, "p", ["web1"]) is None  # never synced
-    memory.remember(opts, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
-        {"minions": {"web1": B}})}}, {}, {"minion_keys": replicate.empty_report()})
-    # the snapshot does not hold what the peer was confirmed to hold there
-    assert _held(opts, "p", ["web1"]) is None
-    os.unlink(tmp_path / "cache" / "multimaster" / store.NAME)  # no scan kept
-    assert _held(opts, "p", ["web1"]) is None
-    # a sync that left conflicts forgets; so does one where the peer held otherwise
-    opts2 = _snapshot_of(tmp_path / "2", before)
-    memory.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
-        before)}}, {}, {"minion_keys": replicate.empty_report()})
-    held = _held(opts2, "p", ["web1"])
-    rep = dict(replicate.empty_report(), conflicts=["minions/web1: ..."])
-    memory.remember_targeted(opts2, "p", held, _keys_primary(before, ["web1"]),
-                             {"result": False, "minion_keys": rep}, memory.targeted_inventory(held))
-    assert memory.remembered(opts2, "p", ["minion_keys"]) is None
-    # a peer that refused the condition (an older one): forgotten too
-    memory.remember(opts2, "p", ["minion_keys"], {"minion_keys": {"digest": digest_of_keys(
-        before)}}, {}, {"minion_keys": replicate.empty_report()})
-    memory.remember_targeted(opts2, "p", _held(opts2, "p", ["web1"]), _keys_primary(
-        before, ["web1"]), {"result": True, "minion_keys": replicate.empty_report()}, None)
-    assert memory.remembered(opts2, "p", ["minion_keys"]) is None
 
 
 # ----- the periodic full verify (multimaster:verify_interval) -----------------

@@ -206,15 +206,3 @@ def test_ops_master_config_values_allow_list():
         validate.ops({"master_config": [{"op": "write", "values": {"pki_dir": "/tmp/x"}}]})
 
 
-def test_minion_ids():
-    assert validate.minion_ids(["web1", "web2"]) == ["web1", "web2"]
-    for bad, message in [
-        ("web1", "minion_ids must be a non-empty list of minion ids, not 'web1'"),
-        ([], "minion_ids must be a non-empty list of minion ids, not []"),
-        (["ok", "a/b", 3], "minion_ids: invalid minion id(s) 'a/b', 3"),
-    ]:
-        with pytest.raises(InvalidInput) as exc:
-            validate.minion_ids(bad)
-        assert str(exc.value) == message
-    with pytest.raises(InvalidInput, match="^minion_ids: 3 ids, at most 2$"):
-        validate.minion_ids(["a", "b", "c"], maximum=2)
