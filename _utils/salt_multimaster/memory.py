@@ -13,6 +13,7 @@ from salt_multimaster import store as state_store
 
 log = logging.getLogger(__name__)
 
+
 def _memory_name(peer):
     return f"peer:{peer}"
 
