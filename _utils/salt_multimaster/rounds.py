@@ -108,32 +108,14 @@ class Rounds:
 
     def inventories(self, categories, peers):
         """
-        The primary's state and every peer's inventory ``{peer: (reply,
-        error)}``.  The inventory publish carries the digests of the
-        primary's last read and goes out first; the primary reads its state
-        while the peers answer.  A peer in step answers with digests only;
-        for a bucket the primary changed since, the peer's content is the
-        primary's previous one (:func:`salt_multimaster.sync.plan`).  A peer
-        that cannot be planned so (no previous state) is asked again with
-        the current digests.
+        The primary's state and the inventory ``{peer: (reply, error)}`` of
+        each of ``peers``, asked with the digests of that state: a peer in
+        step answers with digests only.
         """
-        digests = core.saved_digests(self.opts, categories)
-        if set(digests) != set(categories) & set(protocol.BUCKETED):
-            # nothing saved yet (first sync): a peer in step would detail everything
-            primary = self.read_primary(categories)
-            return primary, self.ask(peers, categories,
-                                     core.current_digests(primary, categories))
-        job = self._publish_inventory(peers, categories, digests)
-        try:
-            primary = self.read_primary(categories)
-        finally:
-            invs = job.replies(self._inventory_wait(peers))
-        again = [peer for peer in peers
-                 if core.unplannable(categories, primary, invs[peer][0], digests)]
-        if again:
-            log.info("multimaster: asking %s again with the current digests", ", ".join(again))
-            invs.update(self.ask(again, categories, core.current_digests(primary, categories)))
-        return primary, invs
+        primary = self.read_primary(categories)
+        if not peers:
+            return primary, {}
+        return primary, self.ask(peers, categories, core.current_digests(primary, categories))
 
     # ----- applying ----------------------------------------------------------
     def apply(self, peer, ops, primary, how, keys_digest=None, expect=None, confirm=None):
@@ -282,14 +264,8 @@ class Rounds:
                            f"{', '.join(categories)}")
         held = {} if test or self.conf["rescan"] else {
             peer: memory.remembered(opts, peer, categories) for peer in peers}
-        if any(held.values()):
-            # what a peer holds is known: read here first, then one publish each
-            primary = self.read_primary(categories)
-            slow = [peer for peer in peers if not held[peer]]
-            invs = self.ask(slow, categories,
-                            core.current_digests(primary, categories)) if slow else {}
-        else:
-            primary, invs = self.inventories(categories, peers)
+        # a peer whose state is known gets one publish (sync_remembered)
+        primary, invs = self.inventories(categories, [p for p in peers if not held.get(p)])
 
         def one(peer):
             inv, out = {}, None

@@ -56,26 +56,6 @@ def verified(opts):
 # ---------------------------------------------------------------------------
 # The primary's state
 # ---------------------------------------------------------------------------
-def saved_digests(opts, categories):
-    """
-    ``{category: digests}`` of the bucketed ``categories`` as the last sync
-    read them on the primary (a peer in step holds these); no key or file
-    is looked at.
-    """
-    state_dir = layout.state_dir(opts)
-    digests = {}
-    for cat in categories:
-        if cat == "minion_keys":
-            digest = keyscan.KeysSnapshot.saved_digest(opts["pki_dir"], state_dir)
-        elif cat in rootscan.ROOTS:
-            digest = rootscan.saved_digests(state_dir, cat)
-        else:
-            continue
-        if digest is not None:
-            digests[cat] = digest
-    return digests
-
-
 def read_primary(opts, categories, topology, config_keys, rescan=False, keep=True):
     """
     The primary's manifests, and the contents they describe, on demand;

@@ -162,8 +162,10 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
         "m2", "new1", "web1", "web2"]
 
     # the primary changes: accepted, deleted, edited; the peer is asked with
-    # the digests of the primary's previous read, as the runner asks it
-    sent = sync.saved_digests(primary_opts, CATS)
+    # the digests of the primary's previous state, as the one-publish sync
+    # sends what the peer last confirmed
+    sent = sync.current_digests(
+        sync.read_primary(primary_opts, CATS, "shared", CONFIG_KEYS), CATS)
     os.rename(pki / "minions_pre" / "new1", pki / "minions" / "new1")
     (pki / "minions" / "web2").unlink()
     (srv / "web" / "init.sls").write_text("nginx: pkg.latest\n")
