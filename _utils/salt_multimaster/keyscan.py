@@ -253,12 +253,6 @@ class KeysSnapshot:
             return None
         return self.previous_digest, lambda: self._previous
 
-    @property
-    def manifest(self):
-        """``{state: {id: sha256}}`` of every key."""
-        return dict({state: {} for state in manifest.KEY_DIRS},
-                    **manifest.merge(self.parts, self.parts))
-
     def remember(self, **fields):
         """Keep more fields with the scan (:attr:`meta`)."""
         self.meta = dict(self.meta, **fields)
