@@ -425,17 +425,6 @@ def master_key_apply(
     return ret
 
 
-def _service_available(service):
-    """Whether this host's service manager knows ``service``; None if unknown."""
-    if "service.available" not in __salt__:
-        return False  # no service module loaded: no service manager here
-    try:
-        return bool(__salt__["service.available"](service))
-    except Exception:  # pylint: disable=broad-except
-        log.debug("multimaster: service.available(%s) failed", service, exc_info=True)
-        return None
-
-
 @_public()
 def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
     """
@@ -500,7 +489,7 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
         raise SaltInvocationError(str(exc)) from None
     available = None
     if cmd.strip() == restart.default_cmd(service):
-        available = _service_available(service)
+        available = restart.service_available(__salt__, service)
     reason = restart.impossible(cmd, service, service_available=available)
     if salt.utils.data.is_true(test):
         return {"scheduled": False, "possible": reason is None, "reason": reason, "cmd": cmd}

@@ -171,8 +171,8 @@ def _public(*extra):
 
 
 @_public()
-def inventory(categories=None, digests=None, topology="shared", config_keys=None, test=False,
-              rescan=False, sealed=None, epoch=None):
+def inventory(categories=None, digests=None, topology="shared", config_keys=None, rescan=False,
+              sealed=None, epoch=None):
     """
     Report what this peer master holds, for the categories asked; change
     nothing.
@@ -182,8 +182,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     (``digests``) are returned: an unchanged peer answers with digests only,
     a peer one key behind with one bucket.  Key dirs unchanged since the
     last inventory are not listed again, and files unchanged in size,
-    inode and mtime are not read again, unless ``rescan``.  ``test``
-    is accepted for older primaries: an inventory never changes anything.
+    inode and mtime are not read again, unless ``rescan``.
 
     CLI Example:
 
@@ -193,8 +192,7 @@ def inventory(categories=None, digests=None, topology="shared", config_keys=None
     """
     args = _request("inventory", sealed, {
         "categories": categories, "digests": digests, "topology": topology,
-        "config_keys": config_keys, "test": test, "rescan": rescan,
-        "epoch": epoch})
+        "config_keys": config_keys, "rescan": rescan, "epoch": epoch})
     categories = args["categories"] or list(replicate.CATEGORIES)
     digests = args["digests"] or {}
     try:
@@ -262,17 +260,6 @@ def _pull(request):
         raise peer.PeerError(f"pull from the primary failed: {exc}") from exc
 
 
-def _service_available():
-    """Whether this host's service manager knows salt-master (None: cannot tell)."""
-    if "service.available" not in __salt__:
-        return False  # no service module loaded: no service manager here
-    try:
-        return bool(__salt__["service.available"]("salt-master"))
-    except Exception:  # pylint: disable=broad-except
-        log.debug("multimaster: service.available(salt-master) failed", exc_info=True)
-        return None
-
-
 def _restart_master(cmd=None):
     """
     How the local salt-master restarts (:class:`salt_multimaster.restart.MasterRestart`):
@@ -286,7 +273,8 @@ def _restart_master(cmd=None):
         __opts__,
         lambda: daemon.mark_restart(_master_opts(),
                                     os.path.join(_state_dir(), daemon.RESTART_MARKER)),
-        restart.salt_run_bg(__salt__), _service_available, cmd=cmd)
+        restart.salt_run_bg(__salt__),
+        lambda: restart.service_available(__salt__, "salt-master"), cmd=cmd)
 
 
 @_public()

@@ -205,6 +205,21 @@ def salt_run_bg(salt_funcs):
     return lambda script: salt_funcs["cmd.run_bg"](script, python_shell=True, cwd="/").get("pid")
 
 
+def service_available(salt_funcs, service):
+    """
+    Whether this host's service manager knows ``service``, asked through a
+    loader's ``__salt__`` (Salt's ``service.available``): False when no
+    service module loaded (no service manager here), None when it cannot tell.
+    """
+    if "service.available" not in salt_funcs:
+        return False
+    try:
+        return bool(salt_funcs["service.available"](service))
+    except Exception:  # pylint: disable=broad-except
+        log.debug("multimaster: service.available(%s) failed", service, exc_info=True)
+        return None
+
+
 def schedule(opts, run_bg, cmd, delay=DEFAULT_DELAY, service="salt-minion", wait_pid=None,
              wait_max=JOB_WAIT):
     """

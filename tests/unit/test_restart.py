@@ -57,6 +57,20 @@ def test_impossible_reasons():
     assert "cannot be parsed" in core.impossible("echo 'x", "salt-minion", which=which)
 
 
+def test_service_available_asks_the_service_module():
+    asked = []
+    known = {"service.available": lambda name: asked.append(name) or name == "salt-master"}
+    assert core.service_available(known, "salt-master") is True
+    assert core.service_available(known, "salt-minion") is False
+    assert asked == ["salt-master", "salt-minion"]
+    assert core.service_available({}, "salt-minion") is False  # no service module: none here
+
+    def broken(name):
+        raise RuntimeError(f"cannot ask for {name}")
+
+    assert core.service_available({"service.available": broken}, "salt-master") is None
+
+
 def _run_bg(script):
     return subprocess.Popen(script, shell=True).pid  # pylint: disable=consider-using-with
 
