@@ -86,8 +86,8 @@ def open_request(private_pem, receiver, fun, sealed):
 # Requests: the arguments each peer function accepts in its sealed request
 # ---------------------------------------------------------------------------
 REQUESTS = {
-    "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "test",
-                                   "rescan", "epoch"),
+    "multimaster_peer.inventory": ("categories", "digests", "topology", "config_keys", "rescan",
+                                   "epoch"),
     "multimaster_peer.apply": ("ops", "topology", "pull_token", "pull_chunks", "backup_keep",
                                "expect", "config_keys", "keys_digest", "confirm", "epoch"),
     "multimaster_peer.restore": ("backup_name", "test", "epoch"),

@@ -95,7 +95,7 @@ class Rounds:
         request = protocol.request(
             "multimaster_peer.inventory", categories=categories, digests=digests,
             topology=conf["topology"], config_keys=conf["master_config_keys"],
-            test=self.test, rescan=conf["rescan"] or None, epoch=self.claim)
+            rescan=conf["rescan"] or None, epoch=self.claim)
         return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
 
     def _inventory_wait(self, peers):
