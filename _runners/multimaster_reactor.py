@@ -67,18 +67,11 @@ def _state_dir():
 
 def _valid_event_id(minion_id):
     """Whether a key event's minion id may be queued (``salt_multimaster.validate``)."""
-    try:
-        # the multimaster runner brings the core onto sys.path when loaded
-        "multimaster.sync" in __salt__  # pylint: disable=pointless-statement
-        from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        validate = None
-    if validate is not None:
-        return validate.event_minion_id(minion_id)
-    # without the core: the same rule, inline
-    return (isinstance(minion_id, str) and minion_id not in ("", ".", "..")
-            and not any(c in minion_id for c in "/\\*?[]!,") and minion_id.isprintable()
-            and not any(c.isspace() for c in minion_id))
+    # the multimaster runner brings the core onto sys.path when loaded
+    "multimaster.sync" in __salt__  # pylint: disable=pointless-statement
+    from salt_multimaster import validate  # pylint: disable=import-outside-toplevel
+
+    return validate.event_minion_id(minion_id)
 
 
 def _regular(path):
