@@ -41,13 +41,6 @@ class KeyHistory:
                 self.state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
         return set(self._ids[bucket])
 
-    def all(self):
-        """Every id received (a set)."""
-        held = {mid for (mid,) in store.select(self.state_dir, "SELECT id FROM history")}
-        for bucket, ids in self.changed.items():
-            held = {m for m in held if manifest.bucket_of(m) != bucket} | ids
-        return held
-
     def set_ids(self, bucket, ids):
         """Make ``ids`` the ids of ``bucket`` received (saved by :meth:`save`)."""
         if set(ids) != self.ids(bucket):
@@ -78,11 +71,6 @@ class KeyHistory:
         store.record(self.state_dir, write, "the ids received")
         self._ids.update(changed)
         self.changed = {}
-
-
-def read_history(state_dir):
-    """The ids this peer received from the primary (a list)."""
-    return sorted(KeyHistory(state_dir).all())
 
 
 def history_of(state_dir, buckets):

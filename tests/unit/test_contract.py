@@ -13,9 +13,10 @@ import sqlite3
 import pytest
 import salt.utils.yaml
 
-from salt_multimaster import (applier, history, manifest, memory, peer, protocol,
-                              restart, restore, seal, store, sync, transport, validate)
+from salt_multimaster import (applier, manifest, memory, peer, protocol, restart, restore,
+                              seal, store, sync, transport, validate)
 from tests.support.cluster import gen_keypair
+from tests.support.history import received
 
 CATS = ("master_keys", "minion_keys", "file_roots", "pillar_roots", "master_config")
 CONFIG_KEYS = ["nodegroups", "publisher_acl"]
@@ -158,7 +159,7 @@ def test_the_real_inventory_planned_and_applied_makes_a_replica(pair):
     _assert_replica(primary_opts, mopts)
     dropin = tmp_path / "m2" / "etc" / "master.d" / "multimaster-sync.conf"
     assert "webs: L@web1,web2" in dropin.read_text()
-    assert sorted(history.read_history(str(tmp_path / "m2-minion-state"))) == [
+    assert received(str(tmp_path / "m2-minion-state")) == [
         "m2", "new1", "web1", "web2"]
 
     # the primary changes: accepted, deleted, edited; the peer is asked with

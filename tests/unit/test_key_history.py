@@ -10,6 +10,7 @@ import sqlite3
 import pytest
 
 from salt_multimaster import history, manifest, store
+from tests.support.history import received
 from tests.support.store import DAMAGES, damage
 
 
@@ -47,7 +48,7 @@ def _spy(monkeypatch):
 def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path, monkeypatch):
     state = str(tmp_path)
     _apply(state, added=[f"m{i}" for i in range(400)])
-    assert history.read_history(state) == sorted(f"m{i}" for i in range(400))
+    assert received(state) == sorted(f"m{i}" for i in range(400))
     before, generation = _rows(state)
     read = _spy(monkeypatch)
     _apply(state, added=["new1"])
@@ -59,7 +60,7 @@ def test_an_apply_of_one_key_reads_and_writes_one_bucket_of_the_history(tmp_path
     read.clear()
     _apply(state, removed=["m7"])
     assert read == [manifest.bucket_of("m7")]
-    assert history.read_history(state) == sorted({f"m{i}" for i in range(400)} - {"m7"} | {"new1"})
+    assert received(state) == sorted({f"m{i}" for i in range(400)} - {"m7"} | {"new1"})
     # the inventory's history of one bucket reads that bucket only
     read.clear()
     assert history.history_of(state, {bucket}) == sorted(  # pylint: disable=protected-access
@@ -78,10 +79,10 @@ def test_a_damaged_store_reads_as_no_id_received_then_is_rebuilt(tmp_path, how):
     state = tmp_path
     _apply(str(state), added=[f"web{i}" for i in range(50)])
     damage(state, how, table="history")
-    assert history.read_history(str(state)) == []
+    assert received(str(state)) == []
     _apply(str(state), added=["db1"])
     _apply(str(state), added=["db2"])
-    assert history.read_history(str(state)) == ["db1", "db2"]
+    assert received(str(state)) == ["db1", "db2"]
 
 
 def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
@@ -93,6 +94,6 @@ def test_the_history_equals_a_set_kept_alongside_over_random_applies(tmp_path):
         removed = {f"k{rng.randrange(300)}" for _ in range(rng.randrange(6))} - added
         _apply(state, added=sorted(added), removed=sorted(removed))
         model = (model | added) - removed
-        assert history.read_history(state) == sorted(model)
+        assert received(state) == sorted(model)
     rows, _ = _rows(state)
     assert rows == sorted((m, manifest.bucket_of(m)) for m in model)

@@ -9,9 +9,10 @@ import socket
 
 import pytest
 
-from salt_multimaster import (applier, history, manifest, memory, peer, protocol, rounds, seal, sync,
+from salt_multimaster import (applier, manifest, memory, peer, protocol, rounds, seal, sync,
                               transport)
 from tests.support.cluster import gen_keypair
+from tests.support.history import received
 from tests.unit import test_contract as contract
 from tests.unit.test_contract import CATS, CONFIG_KEYS, _assert_replica, _read_dropin
 
@@ -269,7 +270,7 @@ def test_an_apply_leaves_its_key_history_record_to_after_its_return(fake):
     res, published = _sync(fake)
     assert published == ["apply"] and res["minion_keys"]["added"] == ["minions/web4"], res
     assert len(left) == 1
-    assert "web4" in history.read_history(fake.state_dir)  # the ids it wrote: at once
+    assert "web4" in received(fake.state_dir)  # the ids it wrote: at once
     assert peer.keys_inventory(fake.mopts, fake.state_dir, {})["history_recorded"] is False
 
     slept = []
