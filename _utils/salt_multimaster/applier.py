@@ -35,9 +35,6 @@ MAX_REPORTED = 100
 # the primary a fixed share of CPU, and on two cores CPU is what runs out.
 PULL_AHEAD = 2
 DROPIN_HEADER = "# Managed by salt-run multimaster.sync on the primary: do not edit.\n"
-# Files of one directory an apply checks one stat each before it lists the
-# directory once instead (:meth:`Applier._listed`).
-STATS_BEFORE_LISTING = 32
 
 
 class Applier:
@@ -71,8 +68,6 @@ class Applier:
         # writes 20,000 files into one directory
         self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
         self.dirs = set()
-        self.listings = {}
-        self.stats = {}
 
     def safe_join(self, root, rel):
         return fsutil.safe_join(root, rel, realpath=self.realpath)
@@ -82,28 +77,8 @@ class Applier:
             fsutil.makedirs(path, mode=mode)
             self.dirs.add(path)
 
-    def _listed(self, path):
-        """
-        Whether ``path`` exists: a stat for the first :data:`STATS_BEFORE_LISTING`
-        files of a directory, then one listing of it for the rest of the
-        sync.  An initial sync writes 20,000 keys into one directory, where
-        a stat of each costs more than the listing; a change sync writes one
-        or two, where the listing of 20,000 names costs more than the stats.
-        """
-        directory, name = os.path.split(path)
-        names = self.listings.get(directory)
-        if names is None:
-            stats = self.stats[directory] = self.stats.get(directory, 0) + 1
-            if stats <= STATS_BEFORE_LISTING:
-                return os.path.lexists(path)
-            try:
-                names = self.listings[directory] = frozenset(os.listdir(directory))
-            except OSError:
-                names = self.listings[directory] = frozenset()
-        return name in names
-
     def backup(self, path, rel):
-        if self._listed(path) and fsutil.backup(path, self.backup_root, rel):
+        if os.path.lexists(path) and fsutil.backup(path, self.backup_root, rel):
             self.backed_up = True
 
     def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
