@@ -4,10 +4,9 @@ Whether a salt-master is serving: what a peer reports about its own master.
 
 import json
 import os
-import socket
 import time
 
-from salt_multimaster import statefile
+from salt_multimaster import checks, statefile
 
 CONNECT_TIMEOUT = 2.0
 
@@ -30,11 +29,7 @@ def master_running(mopts, timeout=CONNECT_TIMEOUT):
     """
     host, port = master_address(mopts)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True, where
-    except OSError:
-        return False, where
+    return checks.tcp_connect(host, port, timeout) is None, where
 
 
 def not_running_error(peer, where):

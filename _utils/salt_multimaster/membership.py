@@ -31,13 +31,12 @@ Plain Python: no Salt dunders.
 import logging
 import os
 import re
-import socket
 
 import salt.config
 import salt.utils.yaml
 
-from salt_multimaster import (daemon, fsutil, layout, manifest, masters, report, statefile,
-                              validate)
+from salt_multimaster import (checks, daemon, fsutil, layout, manifest, masters, report,
+                              statefile, validate)
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +341,8 @@ def host_report(mopts, grains, topology, connect=None):
     has a listener, the running master's pid (from its pidfile), and the
     sha256 of the public key it serves for ``topology``.  No secret.
     """
-    connect = connect or _listening
+    connect = connect or (lambda host, port:
+                          checks.tcp_connect(host, port, daemon.CONNECT_TIMEOUT) is None)
     host = daemon.master_address(mopts)[0]
     ports = {}
     for key in ("publish_port", "ret_port"):
@@ -364,14 +364,6 @@ def host_report(mopts, grains, topology, connect=None):
             "interface": mopts.get("interface"), "ret_port": int(mopts.get("ret_port") or 4506),
             "publish_port": int(mopts.get("publish_port") or 4505), "ports": ports,
             "master_pid": pid, "pub_sha": pub_sha, "fqdn": (grains or {}).get("fqdn")}
-
-
-def _listening(host, port, timeout=daemon.CONNECT_TIMEOUT):
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 # The sync's error lines about the peer's salt-master itself (daemon.py,
@@ -428,32 +420,12 @@ def master_step(check_state, sync_res, test):
             "comment": "salt-master runs with the primary's master key"}
 
 
-STATUS = {True: "ok", False: "FAILED", None: "would do"}
-
-
 def report_rows(ret, verbose=False):
     """
     The compact report of add_peer/remove_peer for ``salt-run`` without
-    ``--out`` (Salt's ``txt`` outputter: ``{label: text}``): one row per
-    step with its status and comment (the sync's categories, the minions'
-    groups), the next steps, then ``retcode``.
+    ``--out`` (:func:`salt_multimaster.report.steps_rows`, titled ``peer``):
+    one row per step with its status and comment (the sync's categories,
+    the minions' groups), the next steps, then ``retcode``.
     """
-    if "steps" not in ret:
-        return {"error": ret.get("error"), "retcode": ret.get("retcode", 0)}
-    test = ret.get("test")
-    rows = {"peer": f"{ret.get('peer')} (minions list it as {ret.get('master_entry', '?')})"
-                    + (": test run, nothing changed" if test else "")}
-    for name, step in ret["steps"].items():  # in the order they ran
-        lines = [f"{STATUS[step['result']]}: {step['comment']}"]
-        if name == "sync" and isinstance(step.get("changes"), dict):
-            detail = report.sync_rows({ret["peer"]: step["changes"]}, test, verbose)
-            lines.extend(str(detail.get(ret["peer"], "")).splitlines()[1:])
-        for status, ids in sorted((step.get("minions") or {}).items()):
-            lines.append(f"  {status:<13}{report.names(ids, verbose)}")
-        rows[name] = "\n".join(lines)
-    if ret.get("next_steps"):
-        rows["next"] = "\n".join(f"- {line}" for line in ret["next_steps"])
-    rows["result"] = ("NOT done" if not ret.get("result") else
-                      "planned (test run)" if test else "done")
-    rows["retcode"] = ret.get("retcode", 0)
-    return rows
+    title = f"{ret.get('peer')} (minions list it as {ret.get('master_entry', '?')})"
+    return report.steps_rows(ret, title, verbose, title_key="peer", peer=ret.get("peer"))

@@ -135,14 +135,6 @@ def primary_setup(opts, fun, peer):
     return topology, dropin, membership.read_dropin(dropin), membership.effective_peers(opts)
 
 
-def _done(ret):
-    """``result`` from the steps; ``retcode`` 1 when one failed."""
-    ret["result"] = all(step["result"] is not False for step in ret["steps"].values())
-    if not ret["result"]:
-        ret["retcode"] = 1
-    return ret
-
-
 def _configure(salt_ops, dropin, peers, steps):
     """
     Write the drop-in listing ``peers`` and read the config again: the peers
@@ -195,12 +187,12 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
     check = membership.check_host(peer, host, opts["id"], primary_pub)
     steps["check"] = {"result": check["result"], "comment": check["comment"]}
     if not check["result"]:
-        return _done(ret)
+        return report.steps_done(ret)
     try:
         ret["master_entry"] = membership.master_entry(host, address)
     except membership.MembershipError as exc:
         steps["check"] = {"result": False, "comment": str(exc)}
-        return _done(ret)
+        return report.steps_done(ret)
     if not protocol.pull_allowed(opts.get("peer_run"), peer):
         ret["next_steps"].append(
             f"{peer} may not pull a sync's bulk: a first sync larger than inline_limit is "
@@ -216,14 +208,14 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
     else:
         loaded = _configure(salt_ops, dropin, peers, steps)
         if loaded is None:
-            return _done(ret)
+            return report.steps_done(ret)
         if peer not in loaded:
             membership.write_dropin(dropin, dropin_peers)
             salt_ops.reload_peers()
             steps["config"] = {"result": False, "comment": (
                 f"{dropin} written but Salt does not load {peer} from it (an include of your "
                 "config sets multimaster after master.d?): put back as it was")}
-            return _done(ret)
+            return report.steps_done(ret)
         steps["config"] = {"result": True, "comment": f"{dropin} lists {', '.join(peers)}"}
         try:
             synced = salt_ops.sync(peers=peer, test=False)
@@ -242,7 +234,7 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
             salt_ops.reload_peers()
             steps["config"] = {"result": False, "comment": f"{dropin} put back as it was: "
                                                            "the sync failed"}
-        return _done(ret)
+        return report.steps_done(ret)
 
     master = membership.master_step(check["master"], res, test)
     if master.pop("start"):
@@ -255,7 +247,7 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
         f"{len(will)} minion(s) will list {ret['master_entry']} after state.apply "
         f"salt.multimaster: {', '.join(will) or 'none'}")}
     ret["next_steps"].extend(todo)
-    return _done(ret)
+    return report.steps_done(ret)
 
 
 def start_master(salt_ops, peer, timeout):
@@ -332,7 +324,7 @@ def remove_peer(salt_ops, peer, address=None, test=False, force=False, tgt="*",
     else:
         loaded = _configure(salt_ops, dropin, peers, steps)
         if loaded is None:
-            return _done(ret)
+            return report.steps_done(ret)
         steps["config"] = {"result": peer not in loaded, "comment": (
             f"{peer} removed from {dropin}" if peer not in loaded else
             f"{peer} removed from {dropin} but still in multimaster:peers of your config: "
@@ -340,4 +332,4 @@ def remove_peer(salt_ops, peer, address=None, test=False, force=False, tgt="*",
         if peer not in loaded:
             ret["next_steps"].append(f"stop salt-master on {peer}: no minion lists it and no "
                                      "sync reaches it any more")
-    return _done(ret)
+    return report.steps_done(ret)

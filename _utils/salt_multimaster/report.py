@@ -190,16 +190,18 @@ def failback_rows(ret, verbose=False):
     return steps_rows(ret, ret.get("peer", ""), verbose)
 
 
-def steps_rows(ret, title, verbose=False):
+def steps_rows(ret, title, verbose=False, title_key="title", peer=None):
     """
     The rows of a command reported in steps (``multimaster.failback``,
-    ``multimaster.promote``): ``title``, then one row per step with its
-    status, comment and items (a sync's per peer), the next steps, then
-    ``result`` and ``retcode``.
+    ``multimaster.promote``, ``multimaster.add_peer``/``remove_peer``):
+    ``title`` (row ``title_key``), then one row per step with its status,
+    comment and items (a sync's per peer; with ``peer``, the ``sync`` step's
+    changes are that one peer's, shown as its categories), the next steps,
+    then ``result`` and ``retcode``.
     """
     if "steps" not in ret:
         return {"error": ret.get("error"), "retcode": ret.get("retcode", 0)}
-    rows = {"title": title + (": test run, nothing changed" if ret.get("test") else "")}
+    rows = {title_key: title + (": test run, nothing changed" if ret.get("test") else "")}
     for name, step in ret["steps"].items():
         lines = [f"{STEP_STATUS[step['result']]}: {step.get('comment', '')}"]
         for key, label in (("carry", "carry"), ("keep", "keep"), ("config", "option"),
@@ -219,6 +221,10 @@ def steps_rows(ret, title, verbose=False):
                                      f"{names(rep[kind], verbose)}")
             if step.get("backup"):
                 lines.append(f"  backup: {step['backup']}")
+        elif name == "sync" and peer is not None:
+            if isinstance(step.get("changes"), dict):
+                detail = sync_rows({peer: step["changes"]}, ret.get("test"), verbose)
+                lines.extend(str(detail.get(peer, "")).splitlines()[1:])
         elif name in ("peer", "sync") and step.get("changes"):
             changes = step["changes"]
             if name == "peer":
