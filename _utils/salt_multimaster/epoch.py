@@ -24,7 +24,7 @@ the records only name it.  Plain Python: no Salt dunders.
 import json
 import os
 
-from salt_multimaster import layout, manifest, statefile
+from salt_multimaster import layout, statefile
 
 NAME = "epoch.json"
 FORMAT = 1
@@ -44,7 +44,7 @@ def read(state_dir):
     "retired": [ids], "peers": [ids], "entry": str or None, "topology":
     str or None, "self": its host's minion id or None}``.
     """
-    data = manifest.read_json(path(state_dir))
+    data = statefile.load(path(state_dir), "what it vouched for is read again")
     ret = {"epoch": 0, "primary": None, "retired": [], "peers": [], "entry": None,
            "topology": None, "self": None}
     if isinstance(data, dict) and data.get("format") == FORMAT:

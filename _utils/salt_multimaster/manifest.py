@@ -14,7 +14,7 @@ import re
 import shutil
 import time
 
-from salt_multimaster import fsutil, statefile
+from salt_multimaster import fsutil
 
 log = logging.getLogger(__name__)
 
@@ -265,11 +265,3 @@ def valid_minion_id(minion_id):
 
 def looks_like_pem(data):
     return data.lstrip().startswith(b"-----BEGIN ") and b"-----END " in data
-
-
-def read_json(path):
-    """
-    What the JSON state file ``path`` holds; None when it is missing or
-    damaged (:func:`statefile.load`: logged, what it vouched for read again).
-    """
-    return statefile.load(path, "what it vouched for is read again")
