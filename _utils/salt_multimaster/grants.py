@@ -6,9 +6,10 @@ killed before that leaves them, and the sealed chunks the jids name in the
 job cache, for ever: the next sync finds them here and revokes them.
 """
 
-import json
 import os
 import time
+
+from salt_multimaster import statefile
 
 JIDS_SUFFIX = ".jids"
 
@@ -33,9 +34,8 @@ def expired(pull_dir, now=None, ttl=600):
     for token in sorted(tokens):
         path = os.path.join(pull_dir, token)
         try:
-            with open(path, encoding="utf-8") as fh:
-                expires = float(json.load(fh)["expires"])
-        except (OSError, ValueError, KeyError, TypeError):
+            expires = float(statefile.read(path)["expires"])
+        except (statefile.Damaged, ValueError, KeyError, TypeError):
             expires = None
         if expires is not None:
             if expires < now:
