@@ -498,7 +498,7 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
 
             keys_now = functools.partial(_keys_state, mopts["pki_dir"])
         else:
-            held = rootscan.saved_digests(state_dir, cat, safe=False)
+            held = rootscan.saved_digests(state_dir, cat)
 
             def part(bucket, cat=cat):
                 return rootscan.saved_part(state_dir, cat, bucket)

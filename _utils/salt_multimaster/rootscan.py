@@ -379,13 +379,13 @@ class _Walk:
                                 [self.key + (rel, int(clean))]))
 
 
-def saved_digests(state_dir, cat, safe=True):
+def saved_digests(state_dir, cat):
     """
-    The digests of the last scan of ``cat`` (``safe``: as a peer in step
-    holds them, else its own), no file looked at; None when there was none.
+    The digests of what the last scan of ``cat`` saw, no file looked at;
+    None when there was none.
     """
     def digests(saved):
-        return saved.digests(f"{cat}:safe" if safe else cat) if saved.meta(cat) else None
+        return saved.digests(cat) if saved.meta(cat) else None
 
     return state_store.read(state_dir, digests)
 
