@@ -852,7 +852,7 @@ class Bench:
             secs, _ = self.salt(peer, "test.ping")
             self.record("salt <peer> test.ping", secs)
         cats = "categories=[master_keys,minion_keys,file_roots,pillar_roots,master_config]"
-        secs, proc = self.salt(peer, "multimaster_peer.inventory", cats, "test=True")
+        secs, proc = self.salt(peer, "multimaster_peer.inventory", cats)
         self.record("salt <peer> multimaster_peer.inventory (full manifests)", secs,
                     out_bytes=len(proc.stdout))
         inv = json.loads(proc.stdout)[peer]

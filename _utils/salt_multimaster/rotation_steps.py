@@ -332,8 +332,8 @@ class Rotation:
     def _peer_serving(self, peer, step):
         """``(serving, detail)`` of a peer after its key write."""
         got = self.salt.call_peer(peer, "multimaster_peer.inventory",
-                                  {"categories": ["master_keys"], "topology": "shared",
-                                   "test": True}, self.timeout)
+                                  {"categories": ["master_keys"], "topology": "shared"},
+                                  self.timeout)
         if not isinstance(got, dict) or "master_keys" not in got:
             return False, "its salt-minion did not answer"
         if got["master_keys"].get("fingerprint") != step["new"]:

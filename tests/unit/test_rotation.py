@@ -9,7 +9,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from salt_multimaster import daemon, finger, layout, rotation, rotation_steps, seal
+from salt_multimaster import daemon, finger, layout, protocol, rotation, rotation_steps, seal
 from tests.conftest import REPO
 
 
@@ -220,6 +220,7 @@ class FakeSalt:
         return name in self.serving_at and self.now >= self.serving_at[name]
 
     def call_peer(self, peer, fun, kwarg, timeout):
+        protocol.request(fun, **kwarg)  # as jobs.call_peer: a request the peer takes
         if peer in self.silent:
             return None
         if fun == "multimaster_peer.inventory":
