@@ -859,7 +859,7 @@ class Bench:
         digests = {c: inv[c]["digest"] for c in ("minion_keys", "file_roots", "pillar_roots")}
         for _ in range(n):
             secs, _ = self.salt(peer, "multimaster_peer.inventory", cats,
-                                "digests=" + json.dumps(digests), "test=True")
+                                "digests=" + json.dumps(digests))
             self.record("salt <peer> multimaster_peer.inventory (digests only: no-op)", secs)
         # the manifests themselves, in this process, warm hash cache (copy)
         self.in_process_manifests()
