@@ -1162,9 +1162,9 @@ print(json.dumps(out))
         bare = self.med(BARE_LABEL)
         if bare == bare:  # measured (not NaN)
             add("")
-            add(f"net of the bare floor (salt-run test.arg with runner_returns: False: Salt's start "
-                f"and exit, no job store; median of the run {fmt(bare)}): Salt's record of the sync's "
-                "job (a listing of every key) counts as the sync's. "
+            add(f"net of the bare floor (salt-run test.arg with runner_returns: False: "
+                f"Salt's start and exit, no job store; median of the run {fmt(bare)}): "
+                "Salt's record of the sync's job (a listing of every key) counts as the sync's. "
                 "paired: each sync net of the bare floor taken right before it (median of the "
                 "differences), not charged with the floor's drift within the run; "
                 "met: judged on the paired ratio")
