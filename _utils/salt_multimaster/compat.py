@@ -3,6 +3,12 @@ Differences between the supported Salt lines (3006, 3007, 3008) that the
 core handles in one place.  Plain functions, no Salt loader.
 """
 
+# _contextvars: the C module Salt's loader context (salt.loader.context)
+# uses.  Salt 3006 and 3007 install the PyPI ``contextvars`` backport,
+# which can shadow the standard module inside the daemons: its
+# copy_context() does not carry Salt's loader dunders (__salt__,
+# __opts__) into a thread.
+import _contextvars as _cv
 import inspect
 import os
 import stat
@@ -10,23 +16,10 @@ import stat
 import salt.crypt
 import salt.version
 
-try:
-    # The C module Salt's loader context (salt.loader.context) uses.  Salt
-    # 3006 and 3007 install the PyPI ``contextvars`` backport, which can
-    # shadow the standard module inside the daemons: its copy_context() does
-    # not carry Salt's loader dunders (__salt__, __opts__) into a thread.
-    import _contextvars as _cv
-except ImportError:  # pragma: no cover
-    import contextvars as _cv
-
-
 #: a context variable of the same module (see above)
 ContextVar = _cv.ContextVar
-
-
-def copy_context():
-    """A copy of this thread's context, Salt's loader context variables included."""
-    return _cv.copy_context()
+#: a copy of this thread's context, Salt's loader context variables included
+copy_context = _cv.copy_context
 
 
 def event_read_waits():

@@ -41,37 +41,20 @@ from salt_multimaster import statefile, validate
 log = logging.getLogger(__name__)
 
 
-def _salt_keyword(key):
-    return str(key).startswith("__")
-
-
-def accepted(func, extra=()):
-    """The keywords ``func`` accepts: its named parameters, and ``extra`` (its ``**kwargs``)."""
-    params = inspect.signature(func).parameters.values()
-    names = [p.name for p in params
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    return sorted(set(names) | set(extra))
-
-
-def takes_kwargs(func):
-    """Whether ``func`` has a ``**kwargs`` parameter."""
-    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(func).parameters.values())
-
-
-def refusal(func, args, kwargs, extra=()):
+def refusal(sig, names, args, kwargs):
     """
-    Why ``func`` must not run with ``args`` and ``kwargs`` (Salt's own
-    ``__`` keywords left out), or None: a keyword it does not accept
-    (:func:`validate.known_kwargs`: every accepted one and the closest
-    match), or arguments its signature cannot bind (too many positional
-    arguments, one given twice, a required one missing).
+    Why a function of signature ``sig``, accepting the keywords ``names``
+    (its named parameters, and what its ``**kwargs`` takes), must not run
+    with ``args`` and ``kwargs`` (Salt's own ``__`` keywords left out), or
+    None: a keyword it does not accept (:func:`validate.known_kwargs`:
+    every accepted one and the closest match), or arguments its signature
+    cannot bind (too many positional arguments, one given twice, a required
+    one missing).
     """
-    names = accepted(func, extra)
     try:
         validate.known_kwargs(kwargs, names)
     except validate.InvalidInput as exc:
         return str(exc)
-    sig = inspect.signature(func)
     named = {k: v for k, v in kwargs.items() if k in sig.parameters}
     try:
         sig.bind(*args, **named)
@@ -116,13 +99,17 @@ def public(module, answer, extra=(), fail=None):
 
     def decorate(func):
         fun = f"{module}.{func.__name__}"
-        own = takes_kwargs(func)
-        check, salt_keyword, named, noticing = refusal, _salt_keyword, _named, statefile.noticing
+        sig = inspect.signature(func)
+        params = sig.parameters.values()
+        own = any(p.kind == p.VAR_KEYWORD for p in params)
+        names = sorted({p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD,
+                                                             p.KEYWORD_ONLY)} | set(extra))
+        check, named, noticing = refusal, _named, statefile.noticing
         failed, failing = failure, fail
 
         def guarded(*args, **kwargs):
-            given = {k: v for k, v in kwargs.items() if not salt_keyword(k)}
-            message = check(func, args, given, extra)
+            given = {k: v for k, v in kwargs.items() if not str(k).startswith("__")}
+            message = check(sig, names, args, given)
             if message is not None:
                 return answer(fun, named(fun, message), args, given)
             noticing()
@@ -141,12 +128,8 @@ def public(module, answer, extra=(), fail=None):
         # would refuse or drop the unknown ones in its own words): show it
         # one that takes them all, keep the function's own for the docs
         del guarded.__wrapped__
-        sig = inspect.signature(func)
-        if not own:
-            sig = sig.replace(parameters=[
-                *sig.parameters.values(),
-                inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
-        guarded.__signature__ = sig
+        guarded.__signature__ = sig if own else sig.replace(parameters=[
+            *params, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
         guarded.guarded = func
         return guarded
 

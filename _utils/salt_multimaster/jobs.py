@@ -263,8 +263,7 @@ class Salt:
 
 def minions(opts, tgt, tgt_type):
     """The accepted minion ids ``tgt`` matches."""
-    found = salt.utils.minions.CkMinions(opts).check_minions(tgt, tgt_type)
-    return found.get("minions", []) if isinstance(found, dict) else []
+    return salt.utils.minions.CkMinions(opts).check_minions(tgt, tgt_type).get("minions", [])
 
 
 def full_returns(opts, tgt, tgt_type, fun, kwarg, timeout):

@@ -91,36 +91,6 @@ def _listing(pki_dir, state, names):
         return []
 
 
-def _journal_word(watch, token, pki_dir, errors, rescan):
-    """
-    ``(what to re-stat, token)`` from the change journal: ``{state: None
-    (list it) or [names]}`` for the dirs it names, None when it cannot
-    vouch for the pki_dir (no engine, another session, events lost,
-    ``rescan``); the token to keep with this scan (None: none).
-    """
-    reply = watch(token) if watch is not None else None
-    tree = os.path.realpath(pki_dir)
-    if not isinstance(reply, dict) or not reply.get("session") or (
-            tree not in (reply.get("trees") or ()) or tree in (reply.get("unwatched") or ())):
-        return None, None
-    new_token = {"session": reply["session"], "seq": reply["seq"]}
-    changed = (reply.get("changed") or {}).get(tree)
-    nested = [t for t in reply["trees"] if t != tree and isinstance(t, str)
-              and (t.startswith(tree + os.sep) or tree.startswith(t.rstrip(os.sep) + os.sep))]
-    if rescan or token is None or not isinstance(changed, list) or nested:
-        return None, new_token
-    found = (reply.get("names") or {}).get(tree) or {}
-    todo = {}
-    for state in manifest.KEY_DIRS:
-        if state in changed:
-            names = found.get(state)
-            # "" is the dir itself: list it
-            todo[state] = names if isinstance(names, list) and "" not in names else None
-        if errors.get(state):
-            todo[state] = None  # held a key that could not be used: listed every time
-    return todo, new_token
-
-
 class KeysSnapshot:
     """
     One scan of the key dirs of ``pki_dir``, kept in the store of
@@ -135,35 +105,19 @@ class KeysSnapshot:
     """
 
     def __init__(self, pki_dir, state_dir, rescan=False, watch=None, keep=True):
-        self.pki_dir, self.state_dir, self.keep = pki_dir, state_dir, keep
-        state_store.scanning(state_dir, self._read, rescan, watch)
-
-    def _read(self, rescan, watch):
-        store = state_store.Store(self.state_dir)
-        try:
-            with store.write(keep=self.keep):
-                errors, changed = self._scan(store, rescan, watch)
-                rows = store.db.execute("SELECT bucket, state, id, sha FROM keys").fetchall()
-                self.digest = store.digests(CATEGORY)
-                self.meta = store.meta("keys", {})
-        finally:
-            store.close()
-        self.parts = {}
+        self.pki_dir, self.state_dir = pki_dir, state_dir
+        errors, rows = state_store.scanning(state_dir, self._scan, rescan, watch, keep)
+        self.parts, self.counts = {}, dict.fromkeys(manifest.KEY_DIRS, 0)
         for bucket, state, mid, sha in rows:
             self.parts.setdefault(bucket, {}).setdefault(state, {})[mid] = sha
-        self.counts = dict.fromkeys(manifest.KEY_DIRS, 0)
-        for part in self.parts.values():
-            for state, keys in part.items():
-                self.counts[state] += len(keys)
+            self.counts[state] += 1
         self.errors = [e for state in manifest.KEY_DIRS for e in errors[state]]
         self.damaged = {state: ids for state, ids in self.meta["damaged"].items() if ids}
-        old = {b: part for b, part in self._old_parts.items() if part}
-        self._previous = {**self.parts, **old}
-        for bucket in changed - set(old):
-            self._previous.pop(bucket, None)
+        # the parts of the buckets it changed as they were before (an empty one left out)
+        self._previous = {b: part for b, part in {**self.parts, **self._old_parts}.items() if part}
 
     def _scan(self, store, rescan, watch):
-        """Scan in ``store``'s transaction: ``(errors per state, buckets changed)``."""
+        """Scan in ``store``'s transaction: ``(errors per state, rows of the keys)``."""
         meta = store.meta("keys", {})
         if meta.get("pki_dir") != self.pki_dir:
             # another pki_dir's scan, or none: start afresh
@@ -171,32 +125,32 @@ class KeysSnapshot:
             store.db.execute("DELETE FROM digests WHERE cat = ?", (CATEGORY,))
             meta = {}
         old_errors = meta.get("errors") if isinstance(meta.get("errors"), dict) else {}
-        todo, token = _journal_word(watch, meta.get("token"), self.pki_dir, old_errors, rescan)
-        if token is None:
-            # no word from the journal: this scan is newer than the token kept,
-            # and what changed since that token still covers what changes next
-            token = meta.get("token")
+        tree = os.path.realpath(self.pki_dir)
+        word, token = state_store.journal_word(watch, meta.get("token"), [tree], rescan)
+        todo = None  # the dirs to stat again: {state: None (list it) or [names]}; None: all
+        if word and tree in word:
+            (dirs, found), todo = word[tree], {}
+            for state in manifest.KEY_DIRS:
+                if state in dirs:
+                    names = found.get(state)
+                    # "" is the dir itself: list it
+                    todo[state] = names if isinstance(names, list) and "" not in names else None
+                if old_errors.get(state):
+                    todo[state] = None  # held a key that could not be used: listed every time
         self.previous_digest = store.digests(CATEGORY)
-        errors, damaged, found = {}, {}, []
+        errors, damaged, writes, changed = {}, {}, [], set()
         for state in manifest.KEY_DIRS:
             if todo is not None and state not in todo:
                 errors[state] = list(old_errors.get(state) or [])
                 damaged[state] = list((meta.get("damaged") or {}).get(state) or [])
                 continue
             errors[state] = []
-            found.append(self._rescan_dir(store, state, todo.get(state) if todo else None,
-                                          rescan, errors[state]))
+            self._rescan_dir(store, state, todo.get(state) if todo else None, rescan,
+                             errors[state], writes, changed)
             damaged[state] = manifest.damaged_sources(errors[state]).get(state, [])
         # the parts before this scan of the buckets it changes (previous_parts)
-        changed = set().union(*(buckets for _put, _gone, buckets in found))
-        self._old_parts = {bucket: _part(store, bucket) for bucket in changed}
-        for put, gone, _buckets in found:
-            store.db.executemany("DELETE FROM keys WHERE state = ? AND id = ?", gone)
-            store.db.executemany("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                                 put)
-        new = {bucket: _part(store, bucket) for bucket in changed}
-        store.set_digests(CATEGORY, {bucket: manifest.part_digest(part) if part else None
-                                     for bucket, part in new.items()})
+        self._old_parts, new = store.rewrite(writes, changed, lambda b: _part(store, b))
+        store.set_digests(CATEGORY, new)
         if todo is None:
             # every key dir listed: the hashes a peer's apply recorded are spent
             store.forget_hashes(self.pki_dir)
@@ -205,13 +159,14 @@ class KeysSnapshot:
         store.set_meta("keys", dict(kept, pki_dir=self.pki_dir, token=token,
                                     errors={s: [str(e) for e in v] for s, v in errors.items()},
                                     damaged=damaged))
-        return errors, changed
+        self.digest, self.meta = store.digests(CATEGORY), store.meta("keys", {})
+        return errors, store.query("SELECT bucket, state, id, sha FROM keys")
 
-    def _rescan_dir(self, store, state, names, rescan, errors):
+    def _rescan_dir(self, store, state, names, rescan, errors, writes, buckets):
         """
         Stat the keys of one dir again (``names``: only these) and hash the
-        changed ones: ``(rows to write, (state, id) to delete, buckets
-        changed)``.
+        changed ones: the statements that bring their rows up to date go
+        to ``writes``, the buckets changed to ``buckets``.
         """
         sql = "SELECT id, ino, size, mtime_ns, ctime_ns, sha, bucket FROM keys WHERE state = ?"
         if names is None:
@@ -222,7 +177,7 @@ class KeysSnapshot:
                 old.update((row[0], row) for row in store.db.execute(sql + " AND id = ?",
                                                                      (state, name)))
         known = state_store.no_hash if rescan else store.known_hash
-        seen, put, buckets = set(), [], set()
+        seen, put = set(), []
         for name, path, entry in _listing(self.pki_dir, state, names):
             st = _stat_key(state, name, path, entry, errors)
             if st is None:
@@ -242,7 +197,9 @@ class KeysSnapshot:
                 buckets.add(bucket)
         gone = [name for name in old if name not in seen]
         buckets.update(old[name][6] for name in gone)
-        return put, [(state, name) for name in gone], buckets
+        writes.append(("DELETE FROM keys WHERE state = ? AND id = ?",
+                       [(state, name) for name in gone]))
+        writes.append(("INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?, ?, ?, ?, ?)", put))
 
     def previous_parts(self):
         """
@@ -256,12 +213,9 @@ class KeysSnapshot:
     def remember(self, **fields):
         """Keep more fields with the scan (:attr:`meta`)."""
         self.meta = dict(self.meta, **fields)
-        saved = state_store.Store(self.state_dir)
-        try:
-            with saved.write():
-                saved.set_meta("keys", dict(saved.meta("keys", {}), **fields))
-        finally:
-            saved.close()
+        state_store.record(self.state_dir, lambda saved: saved.set_meta(
+            "keys", dict(saved.meta("keys", {}), **fields)), "the key scan's fields",
+            durable=False)
 
     @staticmethod
     def saved_digest(pki_dir, state_dir):

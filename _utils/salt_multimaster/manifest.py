@@ -127,13 +127,7 @@ def differing(mine, theirs):
 
 def restrict(cat, man, buckets):
     """The entries of a keys or roots manifest that fall in ``buckets``."""
-    wanted = set(buckets)
-    ret = {}
-    for outer, entries in man.items():
-        for name, value in entries.items():
-            if bucket_of(name if cat == "minion_keys" else f"{outer}/{name}") in wanted:
-                ret.setdefault(outer, {})[name] = value
-    return ret
+    return merge(split(cat, man), buckets)
 
 
 def merge(parts, buckets):
@@ -146,11 +140,14 @@ def merge(parts, buckets):
 
 
 class Ignore:
-    """Salt's file_ignore_regex / file_ignore_glob, applied to relative and full paths."""
+    """
+    Salt's ``file_ignore_regex`` / ``file_ignore_glob`` of the master
+    options ``opts``, applied to relative and full paths.
+    """
 
-    def __init__(self, regex=None, glob=None):
-        regex = regex or []
-        glob = glob or []
+    def __init__(self, opts):
+        regex = opts.get("file_ignore_regex") or []
+        glob = opts.get("file_ignore_glob") or []
         if isinstance(regex, str):
             regex = [regex]
         if isinstance(glob, str):
@@ -159,12 +156,6 @@ class Ignore:
         self.glob = list(glob)
         # fnmatch.fnmatch of each glob, as one match (POSIX: no case folding)
         self._glob = re.compile("|".join(fnmatch.translate(g) for g in glob)) if glob else None
-        #: False when nothing is ignored (no call needed)
-        self.active = bool(self.regex or self.glob)
-
-    @classmethod
-    def from_opts(cls, opts):
-        return cls(opts.get("file_ignore_regex"), opts.get("file_ignore_glob"))
 
     def __call__(self, rel, full):
         for candidate in (rel, full):

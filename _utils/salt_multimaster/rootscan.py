@@ -28,31 +28,6 @@ log = logging.getLogger(__name__)
 ROOTS = ("file_roots", "pillar_roots")
 
 
-def _journal_word(watch, token, roots, rescan):
-    """
-    ``(dirty, token)``: ``{real root: set of dirs changed}`` for the roots
-    the change journal vouches for (watched, none nested in another), None
-    when it gives no word; the token to keep with this scan.
-    """
-    reply = watch(token) if watch is not None else None
-    if not isinstance(reply, dict) or not reply.get("session"):
-        return None, None
-    new_token = {"session": reply["session"], "seq": reply["seq"]}
-    changed = reply.get("changed")
-    if rescan or token is None or not isinstance(changed, dict):
-        return None, new_token
-    trees = [t for t in reply.get("trees") or () if isinstance(t, str)]
-    unwatched = set(reply.get("unwatched") or ())
-    dirty = {}
-    for real in {os.path.realpath(r) for env_roots in roots.values() for r in env_roots}:
-        nested = any(t != real and (t.startswith(real + os.sep) or real.startswith(
-            t.rstrip(os.sep) + os.sep)) for t in trees)
-        rels = changed.get(real)
-        if real in trees and real not in unwatched and not nested and isinstance(rels, list):
-            dirty[real] = set(rels)
-    return dirty, new_token
-
-
 class RootsScan:
     """
     One scan of the ``cat`` roots (``file_roots`` or ``pillar_roots``) of
@@ -67,32 +42,16 @@ class RootsScan:
     """
 
     def __init__(self, opts, cat, state_dir, rescan=False, watch=None, keep=True):
-        self.cat, self.state_dir, self.keep = cat, state_dir, keep
+        self.cat, self.state_dir = cat, state_dir
         self.roots = {env: [r for r in roots if os.path.isdir(r)]
                       for env, roots in sorted((opts.get(cat) or {}).items())}
-        self.ignore = manifest.Ignore.from_opts(opts)
-        state_store.scanning(state_dir, self._read, rescan, watch)
-
-    def _read(self, rescan, watch):
-        store = state_store.Store(self.state_dir)
-        cat = self.cat
-        try:
-            with store.write(keep=self.keep):
-                changed = self._scan(store, rescan, watch)
-                rows = store.db.execute(
-                    "SELECT bucket, env, root, dir, name, size, mode, sha, error FROM files "
-                    "WHERE cat = ?", (cat,)).fetchall()
-                self.raw = store.digests(cat)
-                self.safe = store.digests(f"{cat}:safe")
-        finally:
-            store.close()
+        self.ignore = manifest.Ignore(opts)
+        rows = state_store.scanning(state_dir, self._scan, rescan, watch, keep)
         self.parts, self.errors = _merged(rows, self.roots)
         self.damaged = manifest.damaged_sources(self.errors)
-        old = {b: part for b, part in self._old_parts.items() if part}
-        previous = {**self.parts, **old}
-        for bucket in changed - set(old):
-            previous.pop(bucket, None)
-        self._previous = {b: replicate.safe_tree(part) for b, part in previous.items()}
+        # the parts of the buckets it changed as they were before (an empty one left out)
+        self._previous = {b: replicate.safe_tree(part) for b, part in
+                          {**self.parts, **self._old_parts}.items() if part}
 
     def previous(self):
         """
@@ -104,7 +63,7 @@ class RootsScan:
         return self.previous_safe, lambda: self._previous
 
     def _scan(self, store, rescan, watch):
-        """Scan in ``store``'s transaction: the buckets changed."""
+        """Scan in ``store``'s transaction: the rows of the files."""
         db, cat = store.db, self.cat
         meta = store.meta(cat, {})
         config = {"roots": self.roots,
@@ -115,17 +74,16 @@ class RootsScan:
                 db.execute(f"DELETE FROM {table} WHERE cat = ?", (cat,))
             db.execute("DELETE FROM digests WHERE cat IN (?, ?)", (cat, f"{cat}:safe"))
             meta = {}
-        dirty, token = _journal_word(watch, meta.get("token"), self.roots, rescan)
-        if token is None:
-            token = meta.get("token")  # no word: what changed since it still covers the next
+        reals = {os.path.realpath(r) for env_roots in self.roots.values() for r in env_roots}
+        dirty, token = state_store.journal_word(watch, meta.get("token"), reals, rescan)
         self.previous_safe = store.digests(f"{cat}:safe")
         self.known_hash = state_store.no_hash if rescan else store.known_hash
         writes, buckets, unlisted = [], set(), 0
         for env, roots in self.roots.items():
             for root in roots:
                 walk = _Walk(self, db, env, root, rescan)
-                vouched = (dirty or {}).get(os.path.realpath(root))
-                walk.run(None if vouched is None else vouched)
+                vouched = (dirty or {}).get(walk.real_root)
+                walk.run(None if vouched is None else set(vouched[0]))
                 if vouched is None:
                     # every file statted: the hashes a peer's apply recorded are spent
                     store.forget_hashes(walk.real_root)
@@ -135,19 +93,14 @@ class RootsScan:
         if dirty is not None:
             log.debug("multimaster: %s read at journal token %s, %d director(ies) unlisted", cat,
                       token.get("seq"), unlisted)
-        self._old_parts = {b: _merged(_bucket_rows(db, cat, b), self.roots)[0].get(b, {})
-                           for b in buckets}
-        for statement, rows in writes:
-            db.executemany(statement, rows)
-        raw, safe = {}, {}
-        for bucket in buckets:
-            part = _merged(_bucket_rows(db, cat, bucket), self.roots)[0].get(bucket)
-            raw[bucket] = manifest.part_digest(part) if part else None
-            safe[bucket] = manifest.part_digest(replicate.safe_tree(part)) if part else None
-        store.set_digests(cat, raw)
-        store.set_digests(f"{cat}:safe", safe)
+        self._old_parts, new = store.rewrite(writes, buckets, lambda b: _merged(
+            _bucket_rows(db, cat, b), self.roots)[0].get(b, {}))
+        store.set_digests(cat, new)
+        store.set_digests(f"{cat}:safe", {b: replicate.safe_tree(part) for b, part in new.items()})
         store.set_meta(cat, {"config": config, "token": token})
-        return buckets
+        self.raw, self.safe = store.digests(cat), store.digests(f"{cat}:safe")
+        return store.query("SELECT bucket, env, root, dir, name, size, mode, sha, error FROM "
+                           "files WHERE cat = ?", (cat,))
 
 
 def _bucket_rows(db, cat, bucket):
@@ -295,11 +248,11 @@ class _Walk:
                 is_dir = False
             link = entry.is_symlink()
             if is_dir:
-                if not ignore.active or not (ignore(sub + "/", full + "/") or ignore(sub, full)):
+                if not (ignore(sub + "/", full + "/") or ignore(sub, full)):
                     subdirs.append((sub, full, link))
                     clean = clean and not link
                 continue
-            if ignore.active and ignore(sub, full):
+            if ignore(sub, full):
                 continue
             row = self._file(rel, name, full, real, entry, link, old.get(name))
             if row is not None:

@@ -53,7 +53,7 @@ import logging
 import os
 import sqlite3
 
-from salt_multimaster import statefile
+from salt_multimaster import manifest, statefile
 
 log = logging.getLogger(__name__)
 
@@ -193,14 +193,25 @@ class Store:
         """``{bucket: digest}`` of ``cat``."""
         return dict(self.query("SELECT bucket, digest FROM digests WHERE cat = ?", (cat,)))
 
-    def set_digests(self, cat, digests):
-        """Replace the digests of the buckets of ``digests`` (None: the bucket is empty)."""
-        for bucket, digest in digests.items():
-            if digest is None:
+    def rewrite(self, writes, buckets, part_of):
+        """
+        Run a scan's statements ``writes`` (``[(sql, rows)]``), which change
+        the buckets ``buckets``: ``(before, after)``, their parts
+        (``part_of(bucket)``, ``{}``: empty) before and after.
+        """
+        before = {bucket: part_of(bucket) for bucket in buckets}
+        for statement, rows in writes:
+            self.db.executemany(statement, rows)
+        return before, {bucket: part_of(bucket) for bucket in buckets}
+
+    def set_digests(self, cat, parts):
+        """Replace the digests of the buckets of ``parts`` by theirs (an empty part: none)."""
+        for bucket, part in parts.items():
+            if not part:
                 self.db.execute("DELETE FROM digests WHERE cat = ? AND bucket = ?", (cat, bucket))
             else:
                 self.db.execute("INSERT OR REPLACE INTO digests (cat, bucket, digest) "
-                                "VALUES (?, ?, ?)", (cat, bucket, digest))
+                                "VALUES (?, ?, ?)", (cat, bucket, manifest.part_digest(part)))
 
     def known_hash(self, path, st):
         """The sha256 :func:`record_hashes` kept for ``path`` when it still has stat ``st``."""
@@ -221,26 +232,64 @@ class Store:
                         (top, top[:-1] + "0"))
 
 
+def journal_word(watch, token, trees, rescan):
+    """
+    ``(word, token)`` of the change journal ``watch`` asked since the last
+    scan's ``token``, for a scanner's ``trees`` (real paths): ``{tree:
+    (dirs changed, {dir: names changed, or None})}`` of the trees it vouches
+    for (watched, none nested in another), None when it gives no word (no
+    engine, another session, events lost, ``rescan``); the token to keep
+    with this scan: the reply's, else ``token`` (what changed since it
+    still covers what changes next).
+    """
+    reply = watch(token) if watch is not None else None
+    if not isinstance(reply, dict) or not reply.get("session"):
+        return None, token
+    new_token = {"session": reply["session"], "seq": reply["seq"]}
+    changed, names = reply.get("changed"), reply.get("names") or {}
+    if rescan or token is None or not isinstance(changed, dict):
+        return None, new_token
+    watched = [t for t in reply.get("trees") or () if isinstance(t, str)]
+    unwatched = set(reply.get("unwatched") or ())
+    word = {}
+    for tree in trees:
+        nested = any(t != tree and (t.startswith(tree + os.sep) or tree.startswith(
+            t.rstrip(os.sep) + os.sep)) for t in watched)
+        if (tree in watched and tree not in unwatched and not nested
+                and isinstance(changed.get(tree), list)):
+            word[tree] = (changed[tree], names.get(tree) or {})
+    return word, new_token
+
+
 def no_hash(_path, _st):
     """:meth:`Store.known_hash` of a scan that reads every file again (``rescan``)."""
     return None
 
 
-def scanning(state_dir, read, rescan, watch):
+def scanning(state_dir, scan, rescan, watch, keep):
     """
-    ``read(rescan, watch)``, a scanner's read of its tree into the store of
-    ``state_dir``; when the store proves damaged under it, the store is
-    moved aside (:func:`set_aside`) and everything is read again, without
-    the journal's word.  :class:`Busy` when another process held it too long.
+    ``scan(store, rescan, watch)``, a scanner's read of its tree into the
+    store of ``state_dir``, in one transaction (``keep=False``: rolled back
+    at its end, test mode), and its result; when the store proves damaged
+    under it, the store is moved aside (:func:`set_aside`) and everything
+    is read again, without the journal's word.  :class:`Busy` when another
+    process held it too long.
     """
-    try:
-        read(rescan, watch)
-    except sqlite3.DatabaseError as exc:
-        busy = _busy(os.path.join(state_dir, NAME), exc)
+    for attempt, journal in ((1, watch), (2, None)):
+        found = Store(state_dir)
+        try:
+            with found.write(keep=keep):
+                return scan(found, rescan, journal)
+        except sqlite3.DatabaseError as exc:
+            error = exc
+        finally:
+            found.close()
+        busy = _busy(found.path, error)
         if busy:
             raise busy from None
-        set_aside(state_dir, exc)
-        read(rescan, None)
+        if attempt == 2:
+            raise error
+        set_aside(state_dir, error)
 
 
 def set_aside(state_dir, why):
@@ -329,22 +378,12 @@ def record(state_dir, write, what, durable=True):
 def record_hashes(state_dir, entries):
     """
     Keep ``(path, stat, sha256)`` of files just written in the store of
-    ``state_dir`` (:meth:`Store.known_hash`); a store that cannot be
-    written is logged: those files are read again.
+    ``state_dir`` (:meth:`Store.known_hash`), as a cache (:func:`record`,
+    not flushed); a store that cannot be written is logged: those files
+    are read again.
     """
-    try:
-        found = Store(state_dir)
-    except Busy as exc:
-        log.warning("multimaster: %s: the files written are read again", exc)
-        return
-    try:
-        with found.write():
-            found.db.executemany(
-                "INSERT OR REPLACE INTO hashes (path, ino, size, mtime_ns, ctime_ns, sha) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                [(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha)
-                 for path, st, sha in entries])
-    except sqlite3.DatabaseError as exc:
-        statefile.notice(found.path, str(exc), "the files written are read again")
-    finally:
-        found.close()
+    record(state_dir, lambda found: found.db.executemany(
+        "INSERT OR REPLACE INTO hashes (path, ino, size, mtime_ns, ctime_ns, sha) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        [(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha)
+         for path, st, sha in entries]), "the hashes of the files written", durable=False)

@@ -125,11 +125,11 @@ def delay(name, value, maximum=MAX_DELAY):
     return int(number)
 
 
-def known_kwargs(kwargs, allowed, fun=None):
+def known_kwargs(kwargs, allowed):
     """
-    Refuse keyword arguments ``fun`` does not know (a misspelt ``tset=True``
-    must not run a real sync), naming every accepted one (``allowed``) and
-    the closest match of each unknown one::
+    Refuse keyword arguments a function does not know (a misspelt
+    ``tset=True`` must not run a real sync), naming every accepted one
+    (``allowed``) and the closest match of each unknown one::
 
         unknown argument peer: did you mean peers? (accepted: force, only, peers, ...)
 
@@ -148,8 +148,7 @@ def known_kwargs(kwargs, allowed, fun=None):
     else:
         what = "unknown arguments " + ", ".join(
             k + (f" (did you mean {guesses[k][0]}?)" if guesses[k] else "") for k in unknown)
-    prefix = f"{fun}: " if fun else ""
-    raise InvalidInput(f"{prefix}{what} (accepted: {', '.join(names) or 'none'})")
+    raise InvalidInput(f"{what} (accepted: {', '.join(names) or 'none'})")
 
 
 def conf_mapping(value, name="multimaster"):

@@ -76,11 +76,10 @@ def test_delay():
 
 def test_known_kwargs():
     validate.known_kwargs({"rescan": True, "__pub_user": "root", "__kwarg__": True},
-                          ("rescan",), "multimaster.sync")
+                          ("rescan",))
     with pytest.raises(InvalidInput) as exc:
-        validate.known_kwargs({"tset": True, "rescan": 1, "zz": 2}, ("rescan", "timeout", "test"),
-                              "multimaster.sync")
-    assert str(exc.value) == ("multimaster.sync: unknown arguments tset (did you mean test?), "
+        validate.known_kwargs({"tset": True, "rescan": 1, "zz": 2}, ("rescan", "timeout", "test"))
+    assert str(exc.value) == ("unknown arguments tset (did you mean test?), "
                               "zz (accepted: rescan, test, timeout)")
     with pytest.raises(InvalidInput) as exc:
         validate.known_kwargs({"peer": "m2"}, ("peers", "only", "test"))
