@@ -241,8 +241,6 @@ def _fetch(ops):
         except Exception as exc:  # pylint: disable=broad-except
             return peer.PeerError(f"fetch failed: {exc}")
 
-    if not ops:
-        return {}
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=FETCH_THREADS) as pool:
             return dict(zip((id(op) for op in ops), pool.map(one, ops)))
@@ -529,9 +527,7 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
                 if not isinstance(keypair, dict) or not keypair.get("sealed"):
                     raise rotation.RotationError(
                         "topology shared: no sealed keypair in the request")
-                with open(os.path.join(__opts__["pki_dir"], "minion.pem"), "rb") as fh:
-                    priv = seal.unseal(fh.read(), keypair["sealed"], __opts__["id"],
-                                       "rotate_key/master.pem")
+                priv = _unseal(keypair["sealed"], "rotate_key/master.pem")
                 pub = str(keypair.get("pub") or "").encode()
             else:
                 priv, pub = rotation.gen_keypair(mopts.get("keysize") or rotation.DEFAULT_KEYSIZE)

@@ -69,16 +69,13 @@ class Applier:
         self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
         self.dirs = set()
 
-    def safe_join(self, root, rel):
-        return fsutil.safe_join(root, rel, realpath=self.realpath)
-
     def makedirs(self, path, mode=0o755):
         if path not in self.dirs:
             fsutil.makedirs(path, mode=mode)
             self.dirs.add(path)
 
     def backup(self, path, rel):
-        if os.path.lexists(path) and fsutil.backup(path, self.backup_root, rel):
+        if fsutil.backup(path, self.backup_root, rel):
             self.backed_up = True
 
     def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
@@ -161,7 +158,7 @@ def apply_minion_keys(app, ops):
         try:
             if not manifest.valid_minion_id(op["id"]) or op["state"] not in manifest.KEY_DIRS:
                 raise PeerError(f"{rel}: invalid minion id or key state")
-            path = app.safe_join(pki, rel)
+            path = fsutil.safe_join(pki, rel, realpath=app.realpath)
             if op["op"] == replicate.WRITE:
                 app.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
                 app.write(path, app.content("minion_keys", op), 0o644, f"minion_keys/{rel}",
@@ -193,7 +190,7 @@ def apply_tree(app, cat, ops, fetch):
             env_roots = roots.get(op["env"])
             if not env_roots:
                 raise PeerError(f"saltenv {op['env']!r} is not configured on the peer")
-            fresh = app.safe_join(env_roots[0], op["rel"])  # validates rel
+            fresh = fsutil.safe_join(env_roots[0], op["rel"], realpath=app.realpath)
             # inside the root it is found under, or an error: nothing written
             current = manifest.locate_confined(env_roots, op["rel"], realpath=app.realpath)
             if op["op"] == replicate.REMOVE:
@@ -229,13 +226,10 @@ def apply_master_keys(app, ops, topology):
     for op in ops:
         try:
             # the files Salt loads, never through a link leading out of pki_dir
-            if op["kind"] == "pem":
-                app.write(fsutil.confine(pki, pem_path), app.content("master_keys", op),
-                          fsutil.PRIVATE_KEY_MODE, protocol.item_name("master_keys", op),
-                          op["sha256"])
-            else:
-                app.write(fsutil.confine(pki, pub_path), op["data"].encode(), 0o644,
-                          protocol.item_name("master_keys", op), op["sha256"])
+            pem = op["kind"] == "pem"
+            app.write(fsutil.confine(pki, pem_path if pem else pub_path),
+                      app.content("master_keys", op), fsutil.PRIVATE_KEY_MODE if pem else 0o644,
+                      protocol.item_name("master_keys", op), op["sha256"])
             report["updated"].append(op["name"])
         except APPLY_ERRORS as exc:
             report["errors"].append(f"{op['name']}: {exc}")
@@ -260,8 +254,8 @@ def _parse_dropin(data):
 
 def dropin_damaged(conf_file, state_dir):
     """
-    Whether the drop-in a sync writes beside the master config ``conf_file``
-    (``master.d/``, :data:`protocol.DROPIN_NAME`) is damaged (Salt cannot
+    The drop-in a sync writes beside the master config ``conf_file``
+    (``master.d/``, :data:`protocol.DROPIN_NAME`), when damaged (Salt cannot
     load the master config then): moved aside (kept, never removed), so
     that the config loads and the next sync writes it again.  What the
     peer's record (in ``state_dir``) says it confirmed of it is forgotten
@@ -273,8 +267,6 @@ def dropin_damaged(conf_file, state_dir):
     except statefile.Damaged as exc:
         statefile.aside(path, exc.why)
         confirmed.forget_config(state_dir)
-        return True
-    return False
 
 
 def apply_master_config(app, ops):
@@ -282,7 +274,6 @@ def apply_master_config(app, ops):
     path = protocol.dropin_path(app.mopts)
     for op in ops:
         try:
-            fsutil.makedirs(os.path.dirname(path))
             data = DROPIN_HEADER + salt.utils.yaml.safe_dump(op["values"],
                                                              default_flow_style=False)
             # 0600: external_auth and the like may hold credentials
@@ -370,42 +361,6 @@ class Puller:
         self.pool.shutdown(wait=True)
 
 
-def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
-          pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
-          config_keys=None, after=None, confirm=None):
-    """
-    Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
-    chunk, through ``pull(request)``); return the reply without its
-    protocol: per category the failures, ``restart``, ``backup``.  Raise
-    :class:`validate.InvalidInput` for operations it refuses (nothing
-    applied).  ``keys_digest``: the primary's minion key digests, for the
-    history record (:func:`salt_multimaster.history.record_history`).
-    That record, and the keys Salt made pending again while they were
-    accepted (:func:`keep_accepted`), are handed to ``after`` to run once
-    the job has returned (:func:`salt_multimaster.peer.record_after_return`;
-    default: run before this returns).
-
-    ``confirm``: the primary's digests of the other categories
-    (``{category: bucket digests}``, ``master_config``: ``{option:
-    sha256}``), for the record of what this peer holds in step with it
-    (:func:`record_confirmed`).
-
-    ``expect`` (a change sync, or a targeted key sync, in one round trip):
-    apply only if this peer holds what the primary expects
-    (:func:`salt_multimaster.peer.check_expected`); else apply nothing and
-    answer ``{"backup": None, "inventory": ...}``.  When it does, the reply
-    of a full sync carries what the inventory says of the master
-    (``master_running``, ``master_address``, ``restart_pending``).
-    """
-    if ops is not None:
-        ops = validate.ops(ops)  # refused before anything is read, locked or written
-    if topology not in layout.TOPOLOGIES:
-        raise validate.InvalidInput(f"unknown topology {topology!r}")
-    with locked(state_dir):
-        return _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
-                      pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm)
-
-
 #: the categories whose writes the salt-master loads only when it restarts
 DAEMON_CATEGORIES = ("master_keys", "master_config")
 
@@ -428,11 +383,6 @@ def held_back(ops, restart):
                 report["errors"].append(f"{name}: {why}")
                 report["failed"].append(name)
     return held
-
-
-def _run_all(work):
-    for one in work:
-        one()
 
 
 def keep_accepted(mopts, ops):
@@ -470,10 +420,6 @@ def _digests(value):
     return None
 
 
-def _keys_state(pki_dir, ids):
-    return keyscan.keys_state(pki_dir, sorted(ids))
-
-
 def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
     """
     After an apply: record what this peer now holds in step with the
@@ -488,7 +434,6 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
             continue
         done = confirmed.applied(cat, ops.get(cat) or [],
                                  set((ret.get(cat) or {}).get("failed") or ()))
-        keys_now = None
         if cat == "minion_keys":
             held = keyscan.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
 
@@ -496,9 +441,10 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
                 parts = keyscan.saved_parts(state_dir, [bucket])
                 return None if parts is None else parts.get(bucket, {})
 
-            keys_now = functools.partial(_keys_state, mopts["pki_dir"])
+            def keys_now(ids):
+                return keyscan.keys_state(mopts["pki_dir"], sorted(ids))
         else:
-            held = rootscan.saved_digests(state_dir, cat)
+            held, keys_now = rootscan.saved_digests(state_dir, cat), None
 
             def part(bucket, cat=cat):
                 return rootscan.saved_part(state_dir, cat, bucket)
@@ -512,61 +458,94 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
         confirmed.record_config(state_dir, values, shas)
 
 
-def _apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart, pull,
-           pull_token, pull_chunks, keys_digest, expect, config_keys, after, confirm):
-    status = {}
-    if expect is not None:
-        held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
-        if not held:
-            return {"backup": None, "inventory": inv}
-        status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")
-                  if k in inv}
-    app = Applier(mopts, state_dir, unseal)
-    if pull_token:
-        app.puller = Puller(app, pull_token, pull_chunks, pull)
-    try:
-        if app.puller is not None and ops is None:
-            ops = validate.ops(app.puller.ops())
-        ops = ops or {}
-        held = held_back(ops, restart)
-        ret = apply_categories(app, {c: o for c, o in ops.items() if c not in held}, topology,
-                               fetch)
-        ret.update(held)
-    except BaseException:
-        app.batch.abort()  # no temporary file left behind
-        raise
-    finally:
-        if app.puller is not None:
-            app.puller.close()
-    app.commit()
-    if "minion_keys" in ops:
-        history.update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
-    # once the job has returned: keys Salt demoted meanwhile put back, the
-    # record of what this peer holds in step with the primary, then the
-    # history record (a listing of every key dir the apply changed)
-    work = [functools.partial(keep_accepted, mopts, ops["minion_keys"])] \
-        if "minion_keys" in ops else []
-    work.append(functools.partial(record_confirmed, mopts, state_dir, ops, ret, keys_digest,
-                                  confirm))
-    if isinstance(keys_digest, dict):
-        work.append(functools.partial(history.record_history, mopts, state_dir, keys_digest))
-    if work and after is None:
-        _run_all(work)
-    elif work:
-        after(functools.partial(_run_all, work))
-    daemon_changed = any(ret.get(c, {}).get("updated") for c in ("master_keys", "master_config"))
-    # a key taken out of minions/: this master rotates its AES key, as salt-key does
-    rotation = revocation.after_apply(mopts, ret["minion_keys"]) if "minion_keys" in ops else {}
-    for cat in ops:
-        ret[cat] = outcome(ret[cat])
-    ret["restart"] = restart() if daemon_changed else None
-    ret["backup"] = app.backup_root if app.backed_up else None
-    ret.update(rotation)
-    try:
-        pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
-        if pruned:
-            log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned), backup_keep)
-    except (backup.BackupError, OSError, TypeError, ValueError) as exc:
-        log.warning("multimaster: old backups not pruned: %s", exc)
-    ret.update(status)
-    return ret
+def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
+          pull=None, pull_token=None, pull_chunks=0, keys_digest=None, expect=None,
+          config_keys=None, after=None, confirm=None):
+    """
+    Apply ``ops`` (``None`` with ``pull_token``: pulled with the first
+    chunk, through ``pull(request)``); return the reply without its
+    protocol: per category the failures, ``restart``, ``backup``.  Raise
+    :class:`validate.InvalidInput` for operations it refuses (nothing
+    applied).  ``keys_digest``: the primary's minion key digests, for the
+    history record (:func:`salt_multimaster.history.record_history`).
+    That record, and the keys Salt made pending again while they were
+    accepted (:func:`keep_accepted`), are handed to ``after`` to run once
+    the job has returned (:func:`salt_multimaster.peer.record_after_return`;
+    default: run before this returns).
+
+    ``confirm``: the primary's digests of the other categories
+    (``{category: bucket digests}``, ``master_config``: ``{option:
+    sha256}``), for the record of what this peer holds in step with it
+    (:func:`record_confirmed`).
+
+    ``expect`` (a change sync, or a targeted key sync, in one round trip):
+    apply only if this peer holds what the primary expects
+    (:func:`salt_multimaster.peer.check_expected`); else apply nothing and
+    answer ``{"backup": None, "inventory": ...}``.  When it does, the reply
+    of a full sync carries what the inventory says of the master
+    (``master_running``, ``master_address``, ``restart_pending``).
+    """
+    if ops is not None:
+        ops = validate.ops(ops)  # refused before anything is read, locked or written
+    if topology not in layout.TOPOLOGIES:
+        raise validate.InvalidInput(f"unknown topology {topology!r}")
+    with locked(state_dir):
+        status = {}
+        if expect is not None:
+            held, inv = check_expected(mopts, state_dir, expect, topology, config_keys)
+            if not held:
+                return {"backup": None, "inventory": inv}
+            status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")
+                      if k in inv}
+        app = Applier(mopts, state_dir, unseal)
+        if pull_token:
+            app.puller = Puller(app, pull_token, pull_chunks, pull)
+        try:
+            if app.puller is not None and ops is None:
+                ops = validate.ops(app.puller.ops())
+            ops = ops or {}
+            held = held_back(ops, restart)
+            ret = apply_categories(app, {c: o for c, o in ops.items() if c not in held}, topology,
+                                   fetch)
+            ret.update(held)
+        except BaseException:
+            app.batch.abort()  # no temporary file left behind
+            raise
+        finally:
+            if app.puller is not None:
+                app.puller.close()
+        app.commit()
+        if "minion_keys" in ops:
+            history.update_history(state_dir, ops["minion_keys"], ret["minion_keys"])
+
+        # once the job has returned: keys Salt demoted meanwhile put back, the
+        # record of what this peer holds in step with the primary, then the
+        # history record (a listing of every key dir the apply changed)
+        def work():
+            if "minion_keys" in ops:
+                keep_accepted(mopts, ops["minion_keys"])
+            record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm)
+            if isinstance(keys_digest, dict):
+                history.record_history(mopts, state_dir, keys_digest)
+
+        if after is None:
+            work()
+        else:
+            after(work)
+        daemon_changed = any(ret.get(c, {}).get("updated") for c in DAEMON_CATEGORIES)
+        # a key taken out of minions/: this master rotates its AES key, as salt-key does
+        rotation = revocation.after_apply(mopts, ret["minion_keys"]) if "minion_keys" in ops else {}
+        for cat in ops:
+            ret[cat] = outcome(ret[cat])
+        ret["restart"] = restart() if daemon_changed else None
+        ret["backup"] = app.backup_root if app.backed_up else None
+        ret.update(rotation)
+        try:
+            pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
+            if pruned:
+                log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned),
+                         backup_keep)
+        except (backup.BackupError, OSError, TypeError, ValueError) as exc:
+            log.warning("multimaster: old backups not pruned: %s", exc)
+        ret.update(status)
+        return ret

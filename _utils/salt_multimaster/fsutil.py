@@ -97,11 +97,7 @@ def safe_join(root, rel, realpath=os.path.realpath):
 
 def makedirs(path, mode=0o755):
     """``os.makedirs`` that tolerates an existing directory."""
-    try:
-        os.makedirs(path, mode=mode)
-    except OSError as exc:
-        if exc.errno != errno.EEXIST or not os.path.isdir(path):
-            raise
+    os.makedirs(path, mode=mode, exist_ok=True)
 
 
 def atomic_write(path, data, mode=0o644, durable=True):
@@ -127,10 +123,7 @@ def atomic_write(path, data, mode=0o644, durable=True):
                 os.fsync(fh.fileno())
         os.rename(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
     if durable:
         _fsync_dir(directory)
@@ -264,7 +257,7 @@ class Batch:
                         raise
                     # same filesystem, another mount (a bind mount): copy
                     with open(tmp, "rb") as fh:
-                        atomic_write(path, fh.read(), mode=stat_mode(tmp))
+                        atomic_write(path, fh.read(), mode=stat.S_IMODE(os.stat(tmp).st_mode))
                     _unlink(tmp)
                 done += 1
                 dirs.add(os.path.dirname(path))
@@ -317,31 +310,30 @@ def _remove_beside(home):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def stat_mode(path):
-    """The permission bits of ``path``."""
-    return os.stat(path).st_mode & 0o7777
-
-
 def clean_stages(stage_root):
     """
     Remove what batches that died (their process killed before the commit)
     left in ``stage_root``: each ``.mm-stage-*`` directory whose ``.lock``
-    no live batch holds.  Return the directories removed.
+    no live batch holds, and a lock whose batch died before making its
+    directory.  Return the directories removed.
     """
     try:
         names = os.listdir(stage_root)
     except OSError:  # none yet (or not a directory: moved aside by the applier)
         return []
     removed = []
-    for name in sorted(names):
-        if not name.startswith(STAGE_PREFIX) or name.endswith(".lock"):
-            continue
+    for name in sorted({n[: -len(".lock")] if n.endswith(".lock") else n
+                        for n in names if n.startswith(STAGE_PREFIX)}):
         home = os.path.join(stage_root, name)
         lock = home + ".lock"
         try:
             fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
             fd = None  # no lock: its batch is gone (or never locked it)
+        except OSError:
+            if name in names:
+                raise
+            continue
         if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -349,32 +341,17 @@ def clean_stages(stage_root):
                 os.close(fd)
                 continue  # a live batch
         try:
-            if os.path.isdir(home) and not os.path.islink(home):
-                _remove_beside(home)
-                shutil.rmtree(home, ignore_errors=True)
-            else:
-                _unlink(home)  # not what a batch makes: a damaged leftover
-            removed.append(home)
+            if name in names:
+                if os.path.isdir(home) and not os.path.islink(home):
+                    _remove_beside(home)
+                    shutil.rmtree(home, ignore_errors=True)
+                else:
+                    _unlink(home)  # not what a batch makes: a damaged leftover
+                removed.append(home)
             if fd is not None:
                 _unlink(lock)
         finally:
             if fd is not None:
-                os.close(fd)
-    # a lock whose batch died before making its directory
-    for name in names:
-        if name.startswith(STAGE_PREFIX) and name.endswith(".lock") \
-                and name[: -len(".lock")] not in names:
-            lock = os.path.join(stage_root, name)
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                _unlink(lock)
-            except OSError:
-                pass
-            finally:
                 os.close(fd)
     return removed
 
@@ -419,7 +396,6 @@ def backup(path, backup_root, rel):
         return None
     dest = safe_join(backup_root, rel)
     makedirs(os.path.dirname(dest), mode=KEY_DIR_MODE)
-    confine(backup_root, dest)
     if os.path.islink(path):
         os.symlink(os.readlink(path), dest)
     else:

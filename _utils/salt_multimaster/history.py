@@ -11,74 +11,46 @@ from salt_multimaster import journal, keyscan, layout, manifest, replicate, stor
 
 log = logging.getLogger(__name__)
 
-#: the meta entries of the key history (:class:`KeyHistory`): its generation
-#: (one more at each change) and the buckets found recorded (:func:`record_history`)
+#: the meta entries of the key history: its generation (one more at each
+#: change) and the buckets found recorded (:func:`record_history`)
 HISTORY = "history"
 RECORDED = "history_recorded"
 
 
-class KeyHistory:
+def _ids(state_dir, bucket):
+    """The ids of ``bucket`` received from the primary (a set): its rows only."""
+    return {mid for (mid,) in store.select(
+        state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
+
+
+def _save(state_dir, changed, recorded):
     """
-    The ids this peer received from the primary (the ``history`` table of
-    its state store, :mod:`salt_multimaster.store`): an apply that writes
-    one key reads and writes the ids of its bucket, not the ids of every
-    key.  Lost with a damaged store, it reads as no id received (a removal
-    on the primary then reads as a conflict here, never as a deletion)
-    until the history record finds the keys equal again.
+    Make ``changed`` (``{bucket: ids}``) the ids of those buckets received
+    (the history's generation one more when any), and save ``recorded``
+    (``{bucket: digest}``, :func:`record_history`) at the generation saved,
+    in one flushed transaction: an apply that writes one key reads and
+    writes the ids of its bucket, not the ids of every key.  Lost with a
+    damaged store, the history reads as no id received (a removal on the
+    primary then reads as a conflict here, never as a deletion) until the
+    history record finds the keys equal again.
     """
+    def write(found):
+        generation = found.meta(HISTORY, 0)
+        if changed:
+            generation = (generation if isinstance(generation, int) else 0) + 1
+            for bucket, ids in changed.items():
+                found.db.execute("DELETE FROM history WHERE bucket = ?", (bucket,))
+                found.db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
+                                     [(mid, bucket) for mid in sorted(ids)])
+            found.set_meta(HISTORY, generation)
+        found.set_meta(RECORDED, {"generation": generation, "buckets": recorded})
 
-    def __init__(self, state_dir):
-        self.state_dir = state_dir
-        self.changed = {}
-        self._ids = {}
-
-    def ids(self, bucket):
-        """The ids of ``bucket`` received (a set)."""
-        if bucket in self.changed:
-            return set(self.changed[bucket])
-        if bucket not in self._ids:
-            self._ids[bucket] = {mid for (mid,) in store.select(
-                self.state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
-        return set(self._ids[bucket])
-
-    def set_ids(self, bucket, ids):
-        """Make ``ids`` the ids of ``bucket`` received (saved by :meth:`save`)."""
-        if set(ids) != self.ids(bucket):
-            self.changed[bucket] = set(ids)
-
-    def save(self, recorded=None):
-        """
-        Write the changed buckets (the history's generation one more), and
-        ``recorded`` (``{bucket: digest}``, :func:`record_history`) at the
-        generation saved, in one flushed transaction.
-        """
-        if not self.changed and recorded is None:
-            return
-        changed = self.changed
-
-        def write(found):
-            generation = found.meta(HISTORY, 0)
-            if changed:
-                generation = (generation if isinstance(generation, int) else 0) + 1
-                for bucket, ids in changed.items():
-                    found.db.execute("DELETE FROM history WHERE bucket = ?", (bucket,))
-                    found.db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
-                                         [(mid, bucket) for mid in sorted(ids)])
-                found.set_meta(HISTORY, generation)
-            if recorded is not None:
-                found.set_meta(RECORDED, {"generation": generation, "buckets": recorded})
-
-        store.record(self.state_dir, write, "the ids received")
-        self._ids.update(changed)
-        self.changed = {}
+    store.record(state_dir, write, "the ids received")
 
 
 def history_of(state_dir, buckets):
     """The ids of ``buckets`` received from the primary (a sorted list): their rows only."""
-    if not buckets:
-        return []
-    history = KeyHistory(state_dir)
-    return sorted(mid for bucket in buckets for mid in history.ids(bucket))
+    return sorted(mid for bucket in buckets for mid in _ids(state_dir, bucket))
 
 
 def generation(state_dir):
@@ -97,14 +69,15 @@ def update_history(state_dir, ops, report):
     recorded = _recorded(state_dir)
     added = {r.split("/", 1)[1] for r in report["updated"]}
     dropped = {r.split("/", 1)[1] for r in report["removed"]} - written
-    history = KeyHistory(state_dir)
+    changed = {}
     for bucket in {manifest.bucket_of(mid) for mid in added | dropped}:
-        ids = history.ids(bucket)
-        history.set_ids(bucket, (ids | {m for m in added if manifest.bucket_of(m) == bucket})
-                        - dropped)
+        ids = _ids(state_dir, bucket)
+        now = (ids | {m for m in added if manifest.bucket_of(m) == bucket}) - dropped
+        if now != ids:
+            changed[bucket] = now
     # the buckets of the ids this apply touched are recorded no more
     touched = {manifest.bucket_of(op["id"]) for op in ops}
-    history.save({b: d for b, d in recorded.items() if b not in touched})
+    _save(state_dir, changed, {b: d for b, d in recorded.items() if b not in touched})
 
 
 def _recorded(state_dir):
@@ -121,11 +94,6 @@ def _recorded(state_dir):
     return data["buckets"]
 
 
-def journal_client(mopts):
-    """The change journal of this peer master (its engine's socket), for the reads of its state."""
-    return journal.client(layout.state_dir(mopts))
-
-
 def record_history(mopts, state_dir, primary_digest):
     """
     The explicit history step of an apply: every id of a bucket where this
@@ -135,7 +103,8 @@ def record_history(mopts, state_dir, primary_digest):
     (``history_recorded``).  A bucket recorded at its digest before, and
     untouched by an apply since, is not read again.
     """
-    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, watch=journal_client(mopts))
+    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir,
+                                watch=journal.client(layout.state_dir(mopts)))
     same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
     recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
     todo = [b for b in same if b not in recorded]
@@ -144,9 +113,11 @@ def record_history(mopts, state_dir, primary_digest):
         for keys in manifest.merge(snap.parts, todo).values():
             for mid in keys:
                 held.setdefault(manifest.bucket_of(mid), set()).add(mid)
-        history = KeyHistory(state_dir)
+        changed = {}
         for bucket, ids in held.items():
-            history.set_ids(bucket, history.ids(bucket) | ids)
+            known = _ids(state_dir, bucket)
+            if not ids <= known:
+                changed[bucket] = known | ids
         recorded.update({b: snap.digest[b] for b in todo})
-        history.save(recorded)
+        _save(state_dir, changed, recorded)
     snap.remember(history=generation(state_dir))

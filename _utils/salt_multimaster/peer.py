@@ -9,13 +9,13 @@ and a failback's collect :mod:`salt_multimaster.restore`.
 ``<cachedir>/multimaster``.
 """
 
-import functools
+import contextlib
 import logging
 import os
 import time
 
-from salt_multimaster import (confirmed, daemon, finger, fsutil, history, keyscan, layout, lock,
-                              manifest, protocol, replicate, rootscan, validate)
+from salt_multimaster import (confirmed, daemon, finger, fsutil, history, journal, keyscan, layout,
+                              lock, manifest, protocol, replicate, rootscan, validate)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ LOCK_WAIT = 60.0
 RECORD_DELAY = 0.05
 
 
+@contextlib.contextmanager
 def locked(state_dir, wait=LOCK_WAIT):
     """
     ``with locked(state_dir):`` one job at a time on this peer's sync state
@@ -41,29 +42,25 @@ def locked(state_dir, wait=LOCK_WAIT):
     :class:`PeerError` after ``wait`` seconds.
     """
     fsutil.makedirs(state_dir, mode=0o700)
-    return _PeerLock(os.path.join(state_dir, PEER_LOCK), wait)
+    path = os.path.join(state_dir, PEER_LOCK)
+    try:
+        held = lock.SyncLock(path, None, wait=wait, poll=0.01).acquire()
+    except lock.Busy:
+        raise PeerError(f"another multimaster job still holds {path} after {wait:.0f} s") from None
+    try:
+        yield
+    finally:
+        held.release()
 
 
-class _PeerLock(lock.SyncLock):
-    def __init__(self, path, wait):
-        super().__init__(path, None, wait=wait, poll=0.01)
-
-    def acquire(self):
-        try:
-            return super().acquire()
-        except lock.Busy:
-            raise PeerError(f"another multimaster job still holds {self.path} after "
-                            f"{self.wait:.0f} s") from None
-
-
-def record_after_return(state_dir, work, delay=RECORD_DELAY, sleep=time.sleep):
+def record_after_return(state_dir, work, sleep=time.sleep):
     """
     Run ``work`` (what an apply leaves for after its return) under :func:`locked`,
-    ``delay`` seconds from now: what the job's thread started after its
-    return runs.  A failure is logged: the next sync records the history
+    :data:`RECORD_DELAY` seconds from now: what the job's thread started after
+    its return runs.  A failure is logged: the next sync records the history
     (the inventory says it is not).
     """
-    sleep(delay)
+    sleep(RECORD_DELAY)
     try:
         with locked(state_dir):
             work()
@@ -87,7 +84,7 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
            "master_running": running, "master_address": where,
            "restart_pending": daemon.restart_pending(
                mopts, os.path.join(state_dir, daemon.RESTART_MARKER))}
-    journal = history.journal_client(mopts)
+    watch = journal.client(layout.state_dir(mopts))
     for cat in categories:
         if cat == "master_keys":
             pem, pub = layout.master_key_files(mopts, topology)
@@ -101,42 +98,33 @@ def inventory(mopts, state_dir, categories, digests, topology, config_keys, resc
             # what the peer last confirmed of each option (sha256 only)
             ret["config_record"] = confirmed.config_record(state_dir)
         elif cat == "minion_keys":
-            ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan, journal)
+            ret[cat] = keys_inventory(mopts, state_dir, digests.get(cat) or {}, rescan, watch)
         elif cat in rootscan.ROOTS:
-            read = rootscan.RootsScan(mopts, cat, state_dir, rescan=rescan, watch=journal)
+            read = rootscan.RootsScan(mopts, cat, state_dir, rescan=rescan, watch=watch)
             diff = manifest.differing(digests.get(cat) or {}, read.raw)
             ret[cat] = {"digest": read.raw, "errors": [str(e) for e in read.errors],
                         "buckets": diff, "manifest": manifest.merge(read.parts, diff),
                         "envs": sorted(mopts.get(cat) or {}),
                         "record": confirmed.since(state_dir, cat, read.raw, diff,
-                                                  functools.partial(_part, read.parts))}
+                                                  lambda b, parts=read.parts: parts.get(b, {}))}
     return ret
 
 
-def _part(parts, bucket):
-    """A bucket's part of a read (``{}``: an empty bucket)."""
-    try:
-        return parts[bucket]
-    except KeyError:
-        return {}
-
-
-def keys_inventory(mopts, state_dir, digests, rescan=False, journal=None):
+def keys_inventory(mopts, state_dir, digests, rescan=False, watch=None):
     """
     The ``minion_keys`` part of :func:`inventory`: digests, the differing
     buckets, and the ids of those buckets received from the primary before.
     """
     snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, rescan=rescan,
-                                watch=journal or history.journal_client(mopts))
+                                watch=watch or journal.client(layout.state_dir(mopts)))
     diff = manifest.differing(digests, snap.digest)
-    wanted = set(diff)
     return {"digest": snap.digest, "errors": list(snap.errors), "buckets": diff,
-            "manifest": manifest.merge(snap.parts, diff) if diff else {},
+            "manifest": manifest.merge(snap.parts, diff),
             "counts": snap.counts,
-            "history": history.history_of(state_dir, wanted),
+            "history": history.history_of(state_dir, diff),
             "history_recorded": snap.meta.get("history") == history.generation(state_dir),
             "record": confirmed.since(state_dir, "minion_keys", snap.digest, diff,
-                                      functools.partial(_part, snap.parts))}
+                                      lambda b: snap.parts.get(b, {}))}
 
 
 def check_expected(mopts, state_dir, expect, topology, config_keys):

@@ -198,7 +198,9 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None, damaged=None):
                         "size": size})
             report["updated" if rel in theirs else "added"].append(f"{env}:{rel}")
             if safe != mode:
-                warnings.append(mode_warning(f"{env}:{rel}", mode))
+                warnings.append(f"{env}:{rel}: mode {mode:04o} on the primary, written as "
+                                f"{safe:04o} (a peer never gets a "
+                                f"{', '.join(fsutil.dropped_bits(mode))} file)")
     for env in sorted(set(peer) & primary_envs):
         mine = primary.get(env, {})
         for rel in sorted(set(peer[env]) - set(mine)):
@@ -213,21 +215,12 @@ def plan_tree(primary, peer, peer_envs=None, primary_envs=None, damaged=None):
     return ops, report
 
 
-def mode_warning(item, mode):
-    """The warning for ``item`` written without the dropped bits of ``mode``."""
-    return (f"{item}: mode {mode:04o} on the primary, written as {fsutil.safe_mode(mode):04o} "
-            f"(a peer never gets a {', '.join(fsutil.dropped_bits(mode))} file)")
-
-
 def safe_tree(man):
     """
     A roots manifest (``{saltenv: {rel: [size, mode, sha256]}}``, or one of
     its bucket parts) as a peer in step holds it: modes through
-    :func:`fsutil.safe_mode`.  ``man`` itself when no mode changes.
+    :func:`fsutil.safe_mode`.
     """
-    if all(fsutil.safe_mode(entry[1]) == entry[1]
-           for files in man.values() for entry in files.values()):
-        return man
     return {env: {rel: [size, fsutil.safe_mode(mode), sha]
                   for rel, (size, mode, sha) in files.items()}
             for env, files in man.items()}

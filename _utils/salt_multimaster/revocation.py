@@ -24,12 +24,6 @@ class RevocationError(Exception):
     """The master was not asked to rotate its AES key; the message says why."""
 
 
-def revoked(report):
-    """The ids whose accepted key an apply (its ``minion_keys`` ``report``) removed, sorted."""
-    return sorted(item.split("/", 1)[1] for item in report["removed"]
-                  if item.startswith("minions/"))
-
-
 def request_rotation(mopts):
     """
     Ask the master whose config is ``mopts`` to rotate its AES session key
@@ -58,7 +52,8 @@ def after_apply(mopts, report):
     return ``{"aes_rotation": ...}`` for the reply; else ``{}``.  A master
     not asked is an error of ``report`` (the keys stay removed).
     """
-    ids = revoked(report)
+    ids = sorted(item.split("/", 1)[1] for item in report["removed"]
+                 if item.startswith("minions/"))
     if not ids:
         return {}
     try:

@@ -13,7 +13,8 @@ import secrets
 import shutil
 import time
 
-from salt_multimaster import grants, layout, manifest, protocol, replicate, seal, statefile
+from salt_multimaster import (fsutil, grants, layout, manifest, protocol, replicate, seal,
+                              statefile)
 
 log = logging.getLogger(__name__)
 
@@ -107,23 +108,19 @@ def attach_contents(opts, peer, ops, primary, how):
         for op in cat_ops:
             if op["op"] != replicate.WRITE or "pull" in op:
                 continue
-            if cat == "file_roots" and how.get("inline_files"):
-                with open(content_path(opts, cat, op), "rb") as fh:
-                    op["sealed"] = seal.seal(pub, fh.read(), peer, protocol.item_name(cat, op))
-            elif cat in ("minion_keys", "pillar_roots"):
-                with open(content_path(opts, cat, op), "rb") as fh:
-                    data = fh.read()
-                if cat == "minion_keys":
-                    op["data"] = data.decode()
-                else:
-                    op["sealed"] = seal.seal(pub, data, peer, protocol.item_name(cat, op))
-            elif cat == "master_keys":
-                with open(primary[cat]["files"][op["kind"]], "rb") as fh:
-                    data = fh.read()
-                if op["kind"] == "pem":
-                    op["sealed"] = seal.seal(pub, data, peer, protocol.item_name(cat, op))
-                else:
-                    op["data"] = data.decode()
+            if cat == "master_keys":
+                path = primary[cat]["files"][op["kind"]]
+            elif cat in ("minion_keys", "pillar_roots") or (
+                    cat == "file_roots" and how.get("inline_files")):
+                path = content_path(opts, cat, op)
+            else:
+                continue  # fetched by the peer from this master's fileserver
+            with open(path, "rb") as fh:
+                data = fh.read()
+            if cat == "minion_keys" or op.get("kind") == "pub":
+                op["data"] = data.decode()
+            else:
+                op["sealed"] = seal.seal(pub, data, peer, protocol.item_name(cat, op))
     return chunks
 
 
@@ -159,10 +156,7 @@ def revoke(opts, token, jid_dir):
             shutil.rmtree(jid_dir(jid), ignore_errors=True)
     base = os.path.join(pull_dir(opts), token)
     for path in (base, f"{base}{grants.JIDS_SUFFIX}"):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        fsutil.remove(path)
 
 
 def sweep_grants(opts, jid_dir):

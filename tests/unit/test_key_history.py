@@ -1,5 +1,5 @@
 """
-The key history of a peer (history.KeyHistory): the ids it received from the
+The key history of a peer (salt_multimaster.history): the ids it received from the
 primary, in the ``history`` table of its state store, so that an apply of
 one key reads and writes the ids of one bucket.
 """
