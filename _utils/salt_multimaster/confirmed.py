@@ -43,22 +43,19 @@ def part_digest(part):
     return manifest.bucket_digests({"": part})[""] if part else EMPTY
 
 
-def _valid_part(data):
-    return isinstance(data, dict) and all(
-        isinstance(inner, dict) for inner in data.values())
-
-
 def value_sha(key, value):
     """The sha256 recorded for one replicated option's value."""
     return protocol.config_digest({key: value})
 
 
 def _load(text):
+    """A recorded part from its JSON; None when it is not one."""
     try:
         part = json.loads(text)
     except ValueError:
         return None
-    return part if _valid_part(part) else None
+    valid = isinstance(part, dict) and all(isinstance(inner, dict) for inner in part.values())
+    return part if valid else None
 
 
 class Record:
@@ -104,17 +101,14 @@ class Record:
         if bucket in self.digest:
             self.changed[bucket] = None
 
-    def rows(self):
-        """The rows :meth:`save` writes: ``(bucket, digest, part JSON)``, None to delete."""
-        return [(bucket, None if part is None else part_digest(part),
-                 None if part is None else json.dumps(part, sort_keys=True))
-                for bucket, part in sorted(self.changed.items())]
-
     def save(self):
         """Write the changed buckets, in one flushed transaction."""
         if not self.changed:
             return
-        rows = self.rows()
+        # (bucket, digest, part JSON); None: the bucket deleted
+        rows = [(bucket, None if part is None else part_digest(part),
+                 None if part is None else json.dumps(part, sort_keys=True))
+                for bucket, part in sorted(self.changed.items())]
 
         def write(found):
             for bucket, digest, text in rows:
@@ -175,14 +169,6 @@ def since(state_dir, cat, digest, detailed, part_of):
     return ret
 
 
-def _key_item(op):
-    return op["state"], op["id"]
-
-
-def _tree_item(op):
-    return op["env"], op["rel"]
-
-
 def applied(cat, ops, failed):
     """
     ``{bucket: [(outer, name, value or None)]}`` of the operations of
@@ -191,11 +177,11 @@ def applied(cat, ops, failed):
     ret = {}
     for op in ops:
         if cat == "minion_keys":
-            (outer, name), label = _key_item(op), f"{op['state']}/{op['id']}"
+            outer, name, label = op["state"], op["id"], f"{op['state']}/{op['id']}"
             value = op.get("sha256")
             bucket = manifest.bucket_of(name)
         else:
-            (outer, name), label = _tree_item(op), f"{op['env']}:{op['rel']}"
+            outer, name, label = op["env"], op["rel"], f"{op['env']}:{op['rel']}"
             value = [op.get("size"), op.get("mode"), op.get("sha256")]
             bucket = manifest.bucket_of(f"{outer}/{name}")
         if label in failed:

@@ -6,12 +6,9 @@ one publish (:func:`expected_inventory`).  ``opts`` is the primary
 master's configuration.
 """
 
-import logging
 
 from salt_multimaster import layout, outage, protocol, replicate
 from salt_multimaster import store as state_store
-
-log = logging.getLogger(__name__)
 
 
 def _memory_name(peer):
@@ -34,13 +31,6 @@ def _memory(opts, peer):
     return held if _valid_memory(held) else {}
 
 
-def _save_memory(opts, peer, held):
-    # a stale or lost record costs a second round: the apply is conditional on it
-    state_store.record(layout.state_dir(opts),
-                       lambda found: found.set_meta(_memory_name(peer), held),
-                       f"what {peer} holds", durable=False)
-
-
 def remembered(opts, peer, categories):
     """
     ``{category: inventory entry}`` the peer was last confirmed to hold, for
@@ -52,11 +42,6 @@ def remembered(opts, peer, categories):
     return {cat: held[cat] for cat in categories}
 
 
-def forget(opts, peer, categories):
-    """Forget what the peer holds of ``categories`` (changed by other means)."""
-    remember(opts, peer, categories, None, None, {})
-
-
 def remember(opts, peer, categories, primary, inv, ret):
     """
     After a sync of ``peer``: a category whose report is clean (nothing
@@ -66,10 +51,9 @@ def remember(opts, peer, categories, primary, inv, ret):
     held = _memory(opts, peer)
     for cat in categories:
         rep = ret.get(cat)
-        entry = (primary or {}).get(cat) or {}
+        entry = primary[cat]
         clean = (isinstance(rep, dict) and not rep.get("errors") and not rep.get("conflicts")
                  and not rep.get("unconfirmed") and not rep.get(outage.PEER_CHANGED)
-                 and ("digest" in entry or "manifest" in entry)
                  and not entry.get("damaged"))
         if not clean:
             held.pop(cat, None)
@@ -80,7 +64,10 @@ def remember(opts, peer, categories, primary, inv, ret):
                 held[cat]["envs"] = envs
         else:
             held[cat] = dict(entry["manifest"])
-    _save_memory(opts, peer, held)
+    # a stale or lost record costs a second round: the apply is conditional on it
+    state_store.record(layout.state_dir(opts),
+                       lambda found: found.set_meta(_memory_name(peer), held),
+                       f"what {peer} holds", durable=False)
 
 
 def expected_inventory(held):
@@ -90,13 +77,4 @@ def expected_inventory(held):
     with it (the buckets the primary changed since are taken from its
     previous state, checked by :func:`salt_multimaster.sync.unplannable`).
     """
-    inv = {}
-    for cat, entry in held.items():
-        if cat in protocol.BUCKETED:
-            inv[cat] = {"digest": entry["digest"], "buckets": [], "manifest": {},
-                        "history": [], "errors": []}
-            if "envs" in entry:
-                inv[cat]["envs"] = entry["envs"]
-        else:
-            inv[cat] = dict(entry)
-    return inv
+    return {cat: dict(entry) for cat, entry in held.items()}

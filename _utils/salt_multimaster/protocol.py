@@ -38,19 +38,15 @@ def _purpose(fun):
     return f"request/{fun}"
 
 
-def seal_request(peer_pub, peer, fun, kwargs):
-    """The blob carrying ``kwargs`` of ``fun`` to ``peer`` only."""
-    body = json.dumps({"protocol": PROTOCOL, "fun": fun, "kwargs": kwargs},
-                      separators=(",", ":"), sort_keys=True)
-    return seal.seal(peer_pub, body, peer, _purpose(fun))
-
-
 def sealed_kwarg(peer_pubs, fun, kwargs):
     """
     The publish's keyword arguments for ``fun`` sent to several peers:
-    ``{"sealed": {peer: blob}}``; ``peer_pubs``: ``{peer: public key PEM}``.
+    ``{"sealed": {peer: blob}}``, each blob carrying ``kwargs`` to its peer
+    only; ``peer_pubs``: ``{peer: public key PEM}``.
     """
-    return {"sealed": {peer: seal_request(pub, peer, fun, kwargs)
+    body = json.dumps({"protocol": PROTOCOL, "fun": fun, "kwargs": kwargs},
+                      separators=(",", ":"), sort_keys=True)
+    return {"sealed": {peer: seal.seal(pub, body, peer, _purpose(fun))
                        for peer, pub in sorted(peer_pubs.items())}}
 
 
@@ -139,29 +135,6 @@ def reply(ret):
     return ret
 
 
-def no_reply(peer, what, got):
-    """Why ``peer`` gave no usable reply to ``what``, and what to do."""
-    if got is None:
-        return (f"{peer}'s salt-minion did not answer {what} (it is not connected to this "
-                f"master, or it stopped while working): start it, or check `salt-run "
-                f"manage.status`")
-    return (f"{peer} gave no usable reply to {what}: {str(got)[:300]} (is salt-multimaster "
-            f"installed there, and multimaster.master_config set on its minion?)")
-
-
-def version_error(peer, ret):
-    """
-    The error of a reply from another protocol version (a reply without
-    ``protocol``: a peer older than protocol 1), else None.
-    """
-    if not isinstance(ret, dict):
-        return None
-    version = ret.get("protocol", 0)
-    if version == PROTOCOL:
-        return None
-    return f"peer runs protocol {version}, primary {PROTOCOL}: upgrade salt-multimaster on {peer}"
-
-
 def refused(ret):
     """
     Whether ``ret`` is a peer's refusal of a request as invalid (its reply
@@ -176,19 +149,26 @@ def check_reply(peer, fun, ret):
     ``(reply, None)`` for a valid reply of ``peer`` to ``fun`` (``ret``: its
     Salt return, ``None`` when it did not answer), its ``protocol`` taken
     out; else ``(None, error)``: the peer did not answer, runs another
-    protocol version, or refused (its error).
+    protocol version (a reply without ``protocol``: a peer older than
+    protocol 1), or refused (its error); the error says what to do.
     """
     what, key = REPLIES[fun]
-    error = version_error(peer, ret)
-    if error:
-        return None, error
-    if not isinstance(ret, dict) or key not in ret:
-        if isinstance(ret, dict) and ret.get("result") is False and ret.get("error"):
-            return None, str(ret["error"])
-        return None, no_reply(peer, what, ret)
-    ret = dict(ret)
-    ret.pop("protocol", None)
-    return ret, None
+    if isinstance(ret, dict) and ret.get("protocol", 0) != PROTOCOL:
+        return None, (f"peer runs protocol {ret.get('protocol', 0)}, primary {PROTOCOL}: "
+                      f"upgrade salt-multimaster on {peer}")
+    if isinstance(ret, dict) and key in ret:
+        ret = dict(ret)
+        ret.pop("protocol")
+        return ret, None
+    if refused(ret):
+        return None, str(ret["error"])
+    if ret is None:
+        return None, (f"{peer}'s salt-minion did not answer {what} (it is not connected to "
+                      f"this master, or it stopped while working): start it, or check "
+                      f"`salt-run manage.status`")
+    return None, (f"{peer} gave no usable reply to {what}: {str(ret)[:300]} (is "
+                  f"salt-multimaster installed there, and multimaster.master_config set on "
+                  f"its minion?)")
 
 
 # ---------------------------------------------------------------------------
@@ -210,17 +190,9 @@ def expectation(held):
     confirmed it held (``held``: ``{category: inventory entry}``):
     digests only, nothing secret (the request is sealed all the same).
     """
-    expect = {}
-    for cat, entry in held.items():
-        if cat in BUCKETED:
-            expect[cat] = {"digest": entry["digest"]}
-            if "envs" in entry:
-                expect[cat]["envs"] = entry["envs"]
-        elif cat == "master_keys":
-            expect[cat] = {"pem": entry.get("pem"), "pub": entry.get("pub")}
-        else:
-            expect[cat] = {"config": config_digest(entry)}
-    return expect
+    # held keeps digests (and saltenvs) already, but the values of master_config
+    return {cat: {"config": config_digest(entry)} if cat == "master_config" else dict(entry)
+            for cat, entry in held.items()}
 
 
 def expected_digests(expect):

@@ -2,13 +2,14 @@
 The rounds of one sync between the primary and its peers: which publishes
 go out, in which order, and what is planned from what came back.
 
-A full sync asks every peer for its inventory, plans on the primary, then
-applies (two publishes).  When the primary knows what a peer holds (what it
-last confirmed, :func:`salt_multimaster.memory.remembered`), a change sync is
-one publish: the apply goes out with the digests the peer is expected to
-hold, and a peer that holds something else answers with its inventory (the
-second round).  A targeted key sync (``minion_ids``) is a sync of
-``minion_keys`` whose plan keeps the keys of those ids only.
+Each peer is synced by one loop (:meth:`Rounds.sync_peer`): plan it from
+what it holds, as far as the primary knows, and apply, conditional on what
+it last confirmed (:func:`salt_multimaster.memory.remembered`); a peer that
+holds something else answers with its inventory, planned from in turn.  A
+change sync is one publish; a full sync is that loop with no memory: the
+peer's inventory first (one publish to every such peer), then the apply.
+A targeted key sync (``minion_ids``) is a sync of ``minion_keys`` whose
+plan keeps the keys of those ids only.
 
 Everything Salt does is passed in (``salt``, see :class:`Rounds`): the
 runner publishes through ``LocalClient`` and fires progress events; the
@@ -34,12 +35,14 @@ class Outcome:
     What :meth:`Rounds.sync_one` came to for one peer: its ``report``
     (applied, planned in test mode, or failed), or, for a conditional
     apply, ``nothing`` to apply, ``refused`` (a peer older than the
-    condition: nothing applied) or ``mismatch`` (the peer does not hold what
-    was expected: nothing applied, its ``inventory`` to plan from).
+    condition: nothing applied; both: the peer is asked) or ``mismatch``
+    (the peer does not hold what was expected: nothing applied, its
+    ``inventory`` to plan from).
     """
 
     kind: str
     report: dict = None
+    #: a report's: the inventory it was planned from; a mismatch's: to plan from
     inventory: dict = None
     #: a targeted sync left keys of other ids as they differ: the peer
     #: does not hold what the primary does
@@ -82,29 +85,23 @@ class Rounds:
         return core.read_primary(self.opts, categories, conf["topology"],
                                  conf["master_config_keys"], conf["rescan"], keep=not self.test)
 
-    def ask(self, peers, categories, digests=None):
+    def ask(self, peers, categories, digests):
         """
         Every peer's inventory of ``categories`` against ``digests``:
-        ``{peer: (reply, error)}``.
+        ``{peer: (reply, error)}``, one progress line now and then.
         """
-        return self._publish_inventory(peers, categories, digests).replies(
-            self._inventory_wait(peers))
-
-    def _publish_inventory(self, peers, categories, digests):
         conf = self.conf
         request = protocol.request(
             "multimaster_peer.inventory", categories=categories, digests=digests,
             topology=conf["topology"], config_keys=conf["master_config_keys"],
             rescan=conf["rescan"] or None, epoch=self.claim)
-        return self.salt.publish(peers, "multimaster_peer.inventory", request, conf["timeout"])
-
-    def _inventory_wait(self, peers):
-        """The ``on_wait`` of an inventory job: one progress line now and then."""
         names = ", ".join(peers)
         self.salt.progress(f"multimaster: asking {names} for an inventory", phase="inventory")
-        return lambda seconds: self.salt.progress(
-            f"multimaster: waiting for the inventory of {names}, {seconds:.0f} s",
-            phase="inventory")
+        return self.salt.publish(peers, "multimaster_peer.inventory", request,
+                                 conf["timeout"]).replies(
+            lambda seconds: self.salt.progress(
+                f"multimaster: waiting for the inventory of {names}, {seconds:.0f} s",
+                phase="inventory"))
 
     def inventories(self, categories, peers):
         """
@@ -118,8 +115,8 @@ class Rounds:
         return primary, self.ask(peers, categories, core.current_digests(primary, categories))
 
     # ----- applying ----------------------------------------------------------
-    def apply(self, peer, ops, primary, how, keys_digest=None, expect=None, confirm=None):
-        """Publish the apply of ``ops`` to ``peer``: ``(reply, error)``."""
+    def apply(self, peer, ops, primary, how, keys_digest, expect, confirm):
+        """Publish the apply of ``ops`` to ``peer``: its return (None: it did not answer)."""
         conf, opts = self.conf, self.opts
         chunks = transport.attach_contents(opts, peer, ops, primary, how) if ops else None
         kwarg = protocol.request("multimaster_peer.apply", ops=ops, topology=conf["topology"],
@@ -151,26 +148,18 @@ class Rounds:
                                    f"{seconds:.0f} s", peer=peer, phase="apply", total=total)
 
         try:
-            got = self.salt.publish([peer], "multimaster_peer.apply", kwarg, wait).wait(
+            return self.salt.publish([peer], "multimaster_peer.apply", kwarg, wait).wait(
                 still).get(peer)
         finally:
             if token:
                 transport.revoke(opts, token, self.salt.jid_dir)
-        if expect is not None and protocol.refused(got):
-            # nothing applied (a peer older than this expectation refuses it)
-            log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
-            return Outcome("refused"), None
-        applied, error = protocol.check_reply(peer, "multimaster_peer.apply", got)
-        if expect is not None and applied is not None and "inventory" in applied:
-            return Outcome("mismatch", inventory=applied["inventory"]), None
-        return applied, error
 
-    def sync_one(self, peer, categories, primary, inv, expect=None):
+    def sync_one(self, peer, categories, primary, inv, expect):
         """
-        Plan ``peer`` from its inventory ``inv`` and apply: an
-        :class:`Outcome`, a ``report`` unless the apply is
-        conditional (``expect``: ``inv`` is then what the primary last
-        confirmed it held) and came to ``nothing`` (nothing to apply; a
+        One round of :meth:`sync_peer`: plan ``peer`` from its inventory
+        ``inv`` and apply: an :class:`Outcome`, a ``report`` unless the
+        apply is conditional (``expect``: ``inv`` is then what the primary
+        last confirmed it held) and came to ``nothing`` (nothing to apply; a
         targeted key sync publishes it all the same: the peer confirms the
         keys of the ids in one publish), ``refused`` or ``mismatch``.
         """
@@ -186,14 +175,17 @@ class Rounds:
             return Outcome("nothing")
         ret = {"result": True}
         ret.update(plan_report)
+
+        def failed(error):
+            ret.update(result=False, error=error)
+            if not test:
+                core.unconfirmed(ret, categories)
+            return Outcome("report", ret, inv)
+
         how = transport.transport(self.opts, peer, ops, conf["inline_limit"],
                                   conf["pull_min_files"]) if ops else None
         if how and how["error"]:
-            ret["result"] = False
-            ret["error"] = how["error"]
-            if not test:
-                core.unconfirmed(ret, categories)
-            return Outcome("report", ret)
+            return failed(how["error"])
         keys = inv.get("minion_keys") or {}
         keys_digest = (primary["minion_keys"].get("digest")
                        if "minion_keys" in categories else None)
@@ -204,54 +196,63 @@ class Rounds:
             (keys_digest and keys.get("history_recorded") is False)
             or outage.stale(inv, categories, primary) or outage.converged(found))
         if not test and (ops or expect is not None or record):
-            applied, error = self.apply(peer, ops, primary, how, keys_digest, expect, confirm)
+            got = self.apply(peer, ops, primary, how, keys_digest, expect, confirm)
+            if expect is not None and protocol.refused(got):
+                # nothing applied (a peer older than this expectation refuses it)
+                log.info("multimaster: %s refused the conditional apply: %s", peer, got["error"])
+                return Outcome("refused")
+            applied, error = protocol.check_reply(peer, "multimaster_peer.apply", got)
             if error:
-                ret["result"] = False
-                ret["error"] = error
-                core.unconfirmed(ret, categories)
-                return Outcome("report", ret)
-            if isinstance(applied, Outcome):
-                return dataclasses.replace(applied, partial=partial)
+                return failed(error)
+            if expect is not None and "inventory" in applied:
+                # nothing applied: the peer's inventory against the expected digests
+                return Outcome("mismatch", inventory=applied["inventory"])
             core.merge(plan_report, applied)
-            for key in ("restart", "backup", "aes_rotation"):
+            for key in ("restart", "backup", "aes_rotation", "rebuilt"):
                 if applied.get(key):
                     ret[key] = applied[key]
-            if applied.get("rebuilt"):
-                ret["rebuilt"] = list(applied["rebuilt"])
             if expect is not None:
                 # the peer's master as the peer found it before applying
                 inv = dict(inv, **{k: applied.get(k) for k in
                                    ("master_running", "master_address", "restart_pending",
                                     "master_restart")})
-        return Outcome("report", core.finish(peer, ret, inv, categories, test=test),
-                       partial=partial)
+        return Outcome("report", core.finish(peer, ret, inv, categories, test=test), inv,
+                       partial)
 
-    def sync_remembered(self, peer, categories, primary, held):
+    def sync_peer(self, peer, categories, primary, held, asked=None):
         """
-        A change sync in one publish: plan ``peer`` as holding what it was
-        last confirmed to hold (``held``) and publish the apply conditional
-        on it.  A peer that holds something else answers with its
-        inventory, and is planned from it (the usual second round).  Returns
-        ``(report outcome, the inventory planned from)``.
+        The one sync loop of ``peer``: plan it from what it holds, apply, and
+        when the peer holds something else plan again from what it answered.
+        ``held``: what it was last confirmed to hold
+        (:func:`memory.remembered`), planned from with the apply conditional
+        on it; None (a full sync: no memory), or a peer that could not be
+        planned from it (buckets whose previous content the primary lost),
+        refused the condition or had nothing to apply: it is asked for its
+        inventory (``asked``: its ``(reply, error)`` to the inventory already
+        published), planned from without a condition.  Returns the report
+        :class:`Outcome`.
         """
-        inv = memory.expected_inventory(held)
-        sent = protocol.expected_digests(protocol.expectation(held))
-        out = None
-        if not core.unplannable(categories, primary, inv, sent):
-            out = self.sync_one(peer, categories, primary, inv,
-                                expect=protocol.expectation(held))
+        expect = protocol.expectation(held) if held else None
+        inv = memory.expected_inventory(held) if held else None
+        # the digests the peer compared its buckets with
+        sent = protocol.expected_digests(expect) if held else None
+        # at most three rounds: the condition, the peer's answer, its inventory
+        while True:
+            if inv is None:
+                inv, error = asked or self.ask([peer], categories, core.current_digests(
+                    primary, categories))[peer]
+                if error:
+                    return Outcome("report", {"result": False, "error": error})
+                expect = None
+            elif core.unplannable(categories, primary, inv, sent):
+                inv = None
+                continue
+            out = self.sync_one(peer, categories, primary, inv, expect)
             if out.kind == "report":
-                return out, inv
-        if out is not None and out.kind == "mismatch":
-            log.info("multimaster: %s does not hold what it was last sent", peer)
-            inv = out.inventory
-        if (out is None or out.kind != "mismatch"
-                or core.unplannable(categories, primary, inv, sent)):
-            inv, error = self.ask([peer], categories,
-                                  core.current_digests(primary, categories))[peer]
-            if error:
-                return Outcome("report", {"result": False, "error": error}), {}
-        return self.sync_one(peer, categories, primary, inv), inv
+                return out
+            if out.kind == "mismatch":
+                log.info("multimaster: %s does not hold what it was last sent", peer)
+            inv, expect = out.inventory, None
 
     # ----- a whole sync --------------------------------------------------------
     def run(self, peers, categories):
@@ -264,29 +265,21 @@ class Rounds:
                            f"{', '.join(categories)}")
         held = {} if test or self.conf["rescan"] else {
             peer: memory.remembered(opts, peer, categories) for peer in peers}
-        # a peer whose state is known gets one publish (sync_remembered)
+        # a peer whose state is known gets one publish, the others are asked first
         primary, invs = self.inventories(categories, [p for p in peers if not held.get(p)])
 
         def one(peer):
-            inv, out = {}, None
+            out = Outcome("report")
             try:
-                if held.get(peer):
-                    out, inv = self.sync_remembered(peer, categories, primary, held[peer])
-                else:
-                    inv, error = invs[peer]
-                    out = (Outcome("report", {"result": False, "error": error}) if error else
-                           self.sync_one(peer, categories, primary, inv))
+                out = self.sync_peer(peer, categories, primary, held.get(peer), invs.get(peer))
                 res = out.report
             except Exception as exc:  # pylint: disable=broad-except
                 log.exception("multimaster: sync of %s failed", peer)
                 res = {"result": False, "error": f"{exc.__class__.__name__}: {exc}"}
-            if test:
-                pass
-            elif out is not None and out.partial:
-                # the keys of other ids left as they differ: not a replica of them
-                memory.forget(opts, peer, ["minion_keys"])
-            else:
-                memory.remember(opts, peer, categories, primary, inv or {}, res)
+            if not test:
+                # the keys of other ids left as they differ (partial): not a replica of them
+                memory.remember(opts, peer, categories, primary, out.inventory or {},
+                                {} if out.partial else res)
             return res
 
         ret = {}

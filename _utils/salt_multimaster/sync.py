@@ -11,15 +11,12 @@ configuration, the publishes through ``LocalClient``, progress events and
 the exit code.  ``opts`` below is the primary master's configuration.
 """
 
-import logging
 import os
 import stat
 import time
 
 from salt_multimaster import (daemon, journal, keyscan, layout, manifest, outage, protocol,
                               replicate, rootscan, statefile)
-
-log = logging.getLogger(__name__)
 
 # Backups kept on each peer (the newest; each apply that replaced or removed
 # anything makes one).
@@ -112,7 +109,7 @@ def damaged_messages(state, categories):
 
 def current_digests(primary, categories):
     """``{category: bucket digests}`` of the primary's bucketed categories."""
-    return {c: primary[c]["digest"] for c in categories if "digest" in (primary.get(c) or {})}
+    return {c: primary[c]["digest"] for c in categories if c in protocol.BUCKETED}
 
 
 # ---------------------------------------------------------------------------
@@ -279,11 +276,6 @@ def peer_status(peer, inv, primary, categories, topology, primary_finger, pullab
 # ---------------------------------------------------------------------------
 # What the peer applied
 # ---------------------------------------------------------------------------
-def applied_name(cat, item):
-    """The name the peer gives ``item`` of the report in its ``failed`` list."""
-    return item if cat != "master_config" else protocol.DROPIN_NAME
-
-
 def merge(report, applied):
     """Take out of the planned lists the items the peer reports as failed."""
     for cat, rep in applied.items():
@@ -300,8 +292,10 @@ def merge(report, applied):
             continue
         failed = set(failed)
         for kind in ("added", "updated", "removed"):
+            # the peer names an item of master_config by the drop-in it failed to write
             report[cat][kind] = [
-                item for item in report[cat][kind] if applied_name(cat, item) not in failed
+                item for item in report[cat][kind]
+                if (item if cat != "master_config" else protocol.DROPIN_NAME) not in failed
             ]
 
 
@@ -347,13 +341,6 @@ def finish(peer, ret, inv, categories, test=False):
     return verdict(peer, ret, categories)
 
 
-def _planned_daemon_items(ret):
-    """``{category: [item]}`` the report writes that the peer's master loads on restart only."""
-    return {cat: [i for kind in ("added", "updated") for i in ret[cat][kind]]
-            for cat in ("master_keys", "master_config")
-            if isinstance(ret.get(cat), dict) and (ret[cat]["added"] or ret[cat]["updated"])}
-
-
 def predict_restart(ret, how):
     """
     test mode: the restart of the peer's salt-master a real run would make
@@ -363,7 +350,10 @@ def predict_restart(ret, how):
     restarts it there), or, for a configured command that cannot run there,
     each of those items an error (the real run refuses to write them).
     """
-    planned = _planned_daemon_items(ret)
+    # what the report writes that the peer's master loads on restart only
+    planned = {cat: [i for kind in ("added", "updated") for i in ret[cat][kind]]
+               for cat in ("master_keys", "master_config")
+               if isinstance(ret.get(cat), dict) and (ret[cat]["added"] or ret[cat]["updated"])}
     if not planned or not isinstance(how, dict):
         return
     if how.get("refused"):
