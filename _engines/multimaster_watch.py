@@ -32,7 +32,6 @@ not vouched for: changes made on another host raise no event here.
 """
 
 import logging
-import threading
 
 import salt.runner
 
@@ -44,9 +43,10 @@ __virtualname__ = "multimaster_watch"
 
 
 def __virtual__():
-    ok, reason = inotify.supported()
-    if not ok:
-        return False, f"multimaster_watch: {reason}"
+    try:
+        inotify.libc()
+    except inotify.Unavailable as exc:
+        return False, f"multimaster_watch: {exc}"
     return __virtualname__
 
 
@@ -114,10 +114,10 @@ def start(poll=journal.POLL, replicate=True, quiet=trigger.QUIET, max_wait=trigg
     wanted = trigger.replicated(__opts__) if replicate is not False else []
     if wanted:
         log.info("multimaster_watch: replicating changes of %s to the peers", ", ".join(wanted))
-        tick = trigger.Trigger(watcher.changes, trigger.categories_of(__opts__, trees), wanted,
+        tick = trigger.Trigger(watcher.changes, trigger.categories_of(__opts__), wanted,
                                _sync(__opts__), quiet, max_wait).tick
     try:
-        journal.serve(watcher, journal.socket_path(layout.state_dir(__opts__)),
-                      stop=threading.Event(), poll=poll, tick=tick)
+        journal.serve(watcher, journal.socket_path(layout.state_dir(__opts__)), poll=poll,
+                      tick=tick)
     finally:
         watcher.close()

@@ -59,12 +59,6 @@ def __virtual__():
     return __virtualname__
 
 
-def _state_dir():
-    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
-
-    return layout.state_dir(__opts__)
-
-
 def _valid_event_id(minion_id):
     """Whether a key event's minion id may be queued (``salt_multimaster.validate``)."""
     # the multimaster runner brings the core onto sys.path when loaded
@@ -154,9 +148,9 @@ def _settle(queue, quiet, max_wait):
 
 
 def _conf_float(name, value, default):
+    conf = __opts__.get("multimaster")
     if value is None:
-        value = (__opts__.get("multimaster") or {}).get(name, default) \
-            if isinstance(__opts__.get("multimaster"), dict) else default
+        value = conf.get(name, default) if isinstance(conf, dict) else default
     return float(value)
 
 
@@ -221,7 +215,9 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         return {"ignored": f"invalid minion id {minion_id!r}", "result": False, "retcode": 1}
     quiet = _conf_float("key_event_quiet", quiet, QUIET)
     max_wait = _conf_float("key_event_max_wait", max_wait, MAX_WAIT)
-    state_dir = _state_dir()
+    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
+
+    state_dir = layout.state_dir(__opts__)
     queue = _Queue(state_dir)
     lock_path = os.path.join(state_dir, "key-sync.lock")
     # Queue first, lock second: a running sync that has not yet taken the

@@ -65,22 +65,15 @@ def libc():
     global _LIBC  # pylint: disable=global-statement
     if _LIBC is None:
         if not sys.platform.startswith("linux"):
-            raise Unavailable(f"inotify needs Linux, not {sys.platform}")
-        libc = None
-        for name in (None, "libc.so.6"):
-            try:
-                candidate = ctypes.CDLL(name, use_errno=True)
-                candidate.inotify_init1  # pylint: disable=pointless-statement
-                candidate.inotify_add_watch  # pylint: disable=pointless-statement
-            except (OSError, AttributeError):
-                continue
-            libc = candidate
-            break
-        if libc is None:
-            raise Unavailable("no inotify functions in libc")
-        libc.inotify_init1.argtypes = [ctypes.c_int]
+            raise Unavailable("inotify is Linux only")
+        # this process' own symbols: the libc it runs on (glibc or musl)
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            libc.inotify_init1.argtypes = [ctypes.c_int]
+            libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+        except AttributeError:
+            raise Unavailable("no inotify functions in libc") from None
         libc.inotify_init1.restype = ctypes.c_int
-        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
         libc.inotify_add_watch.restype = ctypes.c_int
         _LIBC = libc
     return _LIBC
@@ -166,14 +159,3 @@ def fs_problem(table, real):
             return (f"{point} is a {fstype} filesystem: it may change without this host's "
                     f"kernel seeing it")
     return None
-
-
-def supported():
-    """``(True, None)`` where inotify can be used, else ``(False, reason)``."""
-    if not sys.platform.startswith("linux"):
-        return False, "inotify is Linux only"
-    try:
-        libc()
-    except Unavailable as exc:
-        return False, str(exc)
-    return True, None

@@ -8,6 +8,7 @@ it watches.  The questions and answers are those of
 """
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -121,20 +122,15 @@ def _answer(watcher, conn):
     """Read one request from ``conn``, write one reply line."""
     deadline = time.monotonic() + CLIENT_TIMEOUT
     try:
-        line = _read_line(conn, MAX_REQUEST, deadline)
-    except (OSError, ValueError) as exc:  # socket.timeout is an OSError
+        since = _parse_request(_read_line(conn, MAX_REQUEST, deadline))
+    except OSError as exc:  # socket.timeout too: no reply
         log.debug("multimaster: change journal client: %s", exc)
-        if not isinstance(exc, ValueError):
-            return
+        return
+    except ValueError as exc:  # too long, UnicodeDecodeError and JSONDecodeError too
+        log.debug("multimaster: change journal client: bad request: %s", exc)
         reply = {"error": f"bad request: {exc}", "changed": None}
     else:
-        try:
-            since = _parse_request(line)
-        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError too
-            log.debug("multimaster: change journal client: bad request: %s", exc)
-            reply = {"error": f"bad request: {exc}", "changed": None}
-        else:
-            reply = watcher.changes(since)
+        reply = watcher.changes(since)
     try:
         conn.settimeout(max(0.1, deadline - time.monotonic()))
         conn.sendall(json.dumps(reply, separators=(",", ":")).encode("ascii") + b"\n")
@@ -271,19 +267,13 @@ def master_trees(opts):
     return sorted(trees)
 
 
-def client(state_dir, timeout=CLIENT_TIMEOUT):
+def client(state_dir):
     """
     ``since -> reply or None``: :func:`query` of the watcher of the master
-    whose state dir is ``state_dir`` (None at once when no watcher runs).
+    whose state dir is ``state_dir`` (None at once when no watcher runs:
+    no socket to connect to).
     """
-    path = socket_path(state_dir)
-
-    def ask(since):
-        if not os.path.exists(path):
-            return None
-        return query(path, since, timeout=timeout)
-
-    return ask
+    return functools.partial(query, socket_path(state_dir))
 
 
 #: the engine's name in a master's ``engines`` option

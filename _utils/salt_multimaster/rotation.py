@@ -79,11 +79,6 @@ def public_of(priv):
     )
 
 
-def own_key_files(mopts):
-    """``(pem, pub)``: the files this master loads for its own keypair."""
-    return layout.master_key_files(mopts, "shared")
-
-
 def unsupported(mopts, topology):
     """Why this master's key cannot be rotated by rotate_key, or None."""
     if topology not in layout.TOPOLOGIES:
@@ -115,7 +110,7 @@ def key_finger(path, mopts):
 
 def current_finger(mopts):
     """The fingerprint of this master's own public key, as on disk."""
-    return key_finger(own_key_files(mopts)[1], mopts)
+    return key_finger(layout.master_key_files(mopts, "shared")[1], mopts)
 
 
 def install(mopts, priv, pub, backup_root):
@@ -129,7 +124,7 @@ def install(mopts, priv, pub, backup_root):
     if public_of(priv).strip() != pub.strip():
         raise RotationError("the new public key does not belong to the new private key")
     pki = mopts["pki_dir"]
-    pem_path, pub_path = own_key_files(mopts)
+    pem_path, pub_path = layout.master_key_files(mopts, "shared")
     pem_path, pub_path = fsutil.confine(pki, pem_path), fsutil.confine(pki, pub_path)
     old = key_finger(pub_path, mopts)
     fsutil.makedirs(backup_root, mode=fsutil.KEY_DIR_MODE)

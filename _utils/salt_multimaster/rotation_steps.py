@@ -70,14 +70,9 @@ class SaltOps:
 
 
 def refused(message):
-    """The return of a refused rotation (nothing changed); logged."""
+    """Bad input or a refused rotation: nothing changed, logged, a non-zero exit."""
     log.error("multimaster: %s", message)
-    return {"result": False, "error": message}
-
-
-def invalid(message):
-    """Bad input or a refused rotation: nothing changed, a non-zero exit."""
-    return dict(refused(message), retcode=1)
+    return {"result": False, "error": message, "retcode": 1}
 
 
 def reconnect_events(jid_event):
@@ -135,20 +130,20 @@ def rotate_key(opts, jid, jid_event, status, *, peers, topology, test, fresh, tg
                  (("restart_wait", restart_wait), ("verify_wait", verify_wait),
                   ("timeout", timeout))}
     except validate.InvalidInput as exc:
-        return invalid(f"multimaster.rotate_key: {exc}")
+        return refused(f"multimaster.rotate_key: {exc}")
     reason = rotation.unsupported(opts, topology)
     if reason:
-        return invalid(f"multimaster.rotate_key: {opts['id']}: {reason}")
+        return refused(f"multimaster.rotate_key: {opts['id']}: {reason}")
     if restart_cmd is not None and not isinstance(restart_cmd, str):
-        return invalid(f"multimaster.rotate_key: restart_cmd must be a command, "
+        return refused(f"multimaster.rotate_key: restart_cmd must be a command, "
                        f"not {restart_cmd!r}")
     # the same command restarts this primary last: refused before any master is touched
     why = restart.impossible(restart_cmd, "salt-master", runs="salt-master") \
         if restart_cmd else None
     if why:
-        return invalid(f"multimaster.rotate_key: {opts['id']}: {why}")
+        return refused(f"multimaster.rotate_key: {opts['id']}: {why}")
     if not conf_peers:
-        return invalid("multimaster.rotate_key: no peers: set multimaster:peers or pass "
+        return refused("multimaster.rotate_key: no peers: set multimaster:peers or pass "
                        "peers=")
     rot = Rotation(salt_ops(opts, status, jid_event), topology, conf_peers, restart_cmd, tgt,
                    tgt_type, **waits)
@@ -158,7 +153,7 @@ def rotate_key(opts, jid, jid_event, status, *, peers, topology, test, fresh, tg
             with lock.SyncLock(os.path.join(rot.state_dir, lock.LOCK_NAME), jid, wait=0):
                 ret = rot.run(ret)
         except lock.Busy as exc:
-            return invalid(f"multimaster.rotate_key: {exc}")
+            return refused(f"multimaster.rotate_key: {exc}")
     if not ret["result"]:
         ret["retcode"] = 1
     return ret
@@ -302,7 +297,7 @@ class Rotation:
             self.priv, self.pub = rotation.stage_keypair(self.state_dir, self._keysize())
         else:
             # installed here: the staged copy is gone, the key files hold it
-            with open(rotation.own_key_files(self.opts)[1], "rb") as fh:
+            with open(layout.master_key_files(self.opts, "shared")[1], "rb") as fh:
                 self.priv, self.pub = None, fh.read()
         self.new_finger = self.expect_finger = finger.master_finger(
             self.pub.decode(), self.opts.get("hash_type", "sha256"))

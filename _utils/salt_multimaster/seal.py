@@ -47,11 +47,8 @@ def _private_key(private_pem):
     disk), so OpenSSL's consistency check of it is skipped: 39 ms per load
     of a 2048-bit key, against 0.2 ms without.
     """
-    try:
-        return serialization.load_pem_private_key(private_pem, password=None,
-                                                  unsafe_skip_rsa_key_validation=True)
-    except TypeError:  # cryptography < 39: no such argument
-        return serialization.load_pem_private_key(private_pem, password=None)
+    return serialization.load_pem_private_key(private_pem, password=None,
+                                              unsafe_skip_rsa_key_validation=True)
 
 
 def seal(public_pem, data, receiver, purpose, binary=False):

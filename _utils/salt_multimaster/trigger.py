@@ -35,10 +35,10 @@ RETRY_MAX = 300.0
 WATCHED = ("master_keys", "minion_keys", "file_roots", "pillar_roots")
 
 
-def check_seconds(name, value, low=0.0, high=3600.0):
-    """``value`` as a float in [``low``, ``high``]; ``ValueError`` naming ``name`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"multimaster_watch: {name} must be seconds in [{low:g}, {high:g}], "
+def check_seconds(name, value):
+    """``value`` as a float in [0, 3600]; ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise ValueError(f"multimaster_watch: {name} must be seconds in [0, 3600], "
                          f"not {value!r:.50}")
     return float(value)
 
@@ -63,11 +63,11 @@ def replicated(opts):
     return [cat for cat in WATCHED if cat in wanted]
 
 
-def categories_of(opts, trees):
+def categories_of(opts):
     """
     ``(tree, rel_dir) -> set of categories``: what a change in directory
     ``rel_dir`` of ``tree`` (a path of :func:`journal.master_trees`) asks a
-    sync for.  The pki_dir's top holds the master keys, its key dirs the
+    sync for (none for another path).  The pki_dir's top holds the master keys, its key dirs the
     minion keys; a root is a ``file_roots`` or a ``pillar_roots`` root.
     """
     kinds = {}
@@ -77,10 +77,9 @@ def categories_of(opts, trees):
                 if isinstance(root, str) and root:
                     kinds.setdefault(os.path.realpath(root), set()).add(cat)
     pki = os.path.realpath(opts["pki_dir"]) if opts.get("pki_dir") else None
-    trees = set(trees)
 
     def of(tree, rel):
-        found = set(kinds.get(tree, ())) if tree in trees else set()
+        found = set(kinds.get(tree, ()))
         if tree == pki:
             if rel == "":
                 found.add("master_keys")

@@ -78,10 +78,6 @@ def _ident(path):
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
-def _is_dir(path):
-    return _ident(path) is not None
-
-
 def _join(rel, name):
     """The relative path of entry ``name`` of the directory ``rel`` ("" for a tree's top)."""
     return f"{rel}/{name}" if rel else name
@@ -102,17 +98,7 @@ class Watcher:
     """
 
     def __init__(self, trees, max_changes=100000):
-        if isinstance(trees, (str, bytes, os.PathLike)):
-            trees = [trees]
-        paths = set()
-        for tree in trees:
-            tree = os.fsdecode(os.fspath(tree))
-            if not tree:
-                raise ValueError("empty tree path")
-            paths.add(os.path.abspath(tree))
-        if isinstance(max_changes, bool) or not isinstance(max_changes, int) or max_changes < 1:
-            raise ValueError(f"invalid max_changes: {max_changes!r}")
-        self.trees = sorted(paths)
+        self.trees = sorted({os.path.abspath(tree) for tree in trees})
         self.max_changes = max_changes
         self.session = None
         self.seq = 0
@@ -156,11 +142,8 @@ class Watcher:
         Create the inotify fd and watch every tree; a new session.
         :class:`inotify.Unavailable` if inotify cannot be used at all.  A directory
         that cannot be watched does not raise: the watcher answers
-        ``changed=None`` with the reason in ``error``.  No-op if started.
+        ``changed=None`` with the reason in ``error``.
         """
-        if self._fd is not None:
-            return
-        inotify.libc()
         try:
             fd = inotify.init()
         except OSError as exc:
@@ -259,19 +242,11 @@ class Watcher:
         if self.error:
             return
         if not watched or _ident(tree) != before:
-            # replaced or removed while watched: tried again at the next drain
-            self._forget(tree)
+            # replaced or removed while watched: tried again at the next drain;
+            # never reported, the watches made meanwhile dropped by the next reset
             self._refused[tree] = None
             return
         self._watched[tree] = before
-
-    def _forget(self, tree):
-        for wd in list(self._wds):
-            entries = {e for e in self._wds[wd] if e[0] != tree}
-            if entries:
-                self._wds[wd] = entries
-            else:
-                del self._wds[wd]
 
     def _walk(self, tree, rel, path, record):
         """
@@ -291,7 +266,7 @@ class Watcher:
             try:
                 wd = inotify.add_watch(self._fd, path, inotify.MASK)
             except OSError as exc:
-                if exc.errno == errno.ENOSPC or _is_dir(path):
+                if exc.errno == errno.ENOSPC or _ident(path) is not None:
                     self._fail(f"cannot watch {path}: {exc.strerror}"
                                + (" (raise fs.inotify.max_user_watches)"
                                   if exc.errno == errno.ENOSPC else ""))
@@ -311,7 +286,7 @@ class Watcher:
                 with os.scandir(path) as found:
                     subdirs = [e.name for e in found if e.is_dir(follow_symlinks=False)]
             except OSError as exc:
-                if _is_dir(path):
+                if _ident(path) is not None:
                     self._fail(f"cannot list {path}: {exc.strerror}")
                     return False
                 continue
@@ -348,15 +323,14 @@ class Watcher:
         after checking the tree tops (reset if one was removed, replaced or
         appeared) and the mounts (reset if one at or under a tree changed).
         Events queued meanwhile are left for the next call: they are after
-        the call, and a steady stream of them cannot hold a reply back.
+        the call, and a steady stream of them cannot hold a reply back.  An
+        unable watcher (``error``) reads and drops them (its watches could
+        not all be dropped).
         """
         if self._fd is None:
             return
         budget = inotify.queued(self._fd)  # None: read until EAGAIN
-        if self.error:
-            self._discard(budget)
-            return
-        why = self._check_tops() or self._check_mounts()
+        why = None if self.error else self._check_tops() or self._check_mounts()
         if why:
             self._reset(why)
             return
@@ -366,30 +340,17 @@ class Watcher:
             except BlockingIOError:
                 return
             except OSError as exc:
-                self._fail(f"cannot read inotify events: {exc}")
+                if not self.error:
+                    self._fail(f"cannot read inotify events: {exc}")
                 return
             if not data:
                 return
             if budget is not None:
                 budget -= len(data)
-            why = self._process(data)
+            why = None if self.error else self._process(data)
             if why:
                 self._reset(why)
                 return
-            if self.error:
-                return
-
-    def _discard(self, budget):
-        """Read and drop queued events (an unable watcher whose watches could not be dropped)."""
-        while budget is None or budget > 0:
-            try:
-                data = os.read(self._fd, inotify.READ_SIZE)
-            except OSError:
-                return
-            if not data:
-                return
-            if budget is not None:
-                budget -= len(data)
 
     def _check_tops(self):
         """Why a reset is due from the tree tops (removed, replaced, appeared), or None."""

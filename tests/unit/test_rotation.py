@@ -502,8 +502,9 @@ def test_an_unfinished_rotation_is_resumed_as_it_was_started(primary):
     _rotate(fake, "shared")
     first = rotation.current_finger(primary)
     ret, _ = _rotate(fake, "signed")
-    assert ret == {"result": False, "error": "multimaster.rotate_key: " + rotation.resumable(
-        rotation.load_record(layout.state_dir(primary)), "signed", ["p1"], "m1")}
+    assert ret == {"result": False, "retcode": 1,
+                   "error": "multimaster.rotate_key: " + rotation.resumable(
+                       rotation.load_record(layout.state_dir(primary)), "signed", ["p1"], "m1")}
     assert "fresh=True" in ret["error"]
     # fresh=True: forgotten, a new rotation with a new key from the first step on
     fake.primary_restart, fake.log = "restarting", []

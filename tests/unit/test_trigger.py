@@ -54,7 +54,7 @@ def _trigger(results=None, **kwargs):
         synced.append(categories)
         return results.pop(0) if results else True
 
-    of = trigger.categories_of(OPTS, [ROOT, PILLAR, PKI])
+    of = trigger.categories_of(OPTS)
     trig = trigger.Trigger(journal, of, trigger.replicated(OPTS), sync, clock=clock, **kwargs)
     assert trig.tick() is None  # the first look takes the journal's token
     return trig, journal, clock, synced
@@ -80,7 +80,7 @@ def test_a_change_syncs_its_category_once_quiet():
 
 
 def test_keys_and_master_keys_by_directory_of_the_pki_dir():
-    of = trigger.categories_of(OPTS, [ROOT, PILLAR, PKI])
+    of = trigger.categories_of(OPTS)
     assert of(PKI, "") == {"master_keys"}
     assert of(PKI, "minions_pre") == of(PKI, "minions_autosign") == {"minion_keys"}
     assert of(PKI, "elsewhere") == set()
@@ -160,5 +160,5 @@ def test_roots_are_matched_by_their_real_path(tmp_path):
     real.mkdir()
     (tmp_path / "link").symlink_to(real)
     opts = dict(OPTS, file_roots={"base": [str(tmp_path / "link")]})
-    of = trigger.categories_of(opts, [os.path.realpath(real)])
+    of = trigger.categories_of(opts)
     assert of(os.path.realpath(real), "") == {"file_roots"}
