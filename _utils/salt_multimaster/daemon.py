@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-from salt_multimaster import checks, statefile
+from salt_multimaster import checks, layout, protocol, statefile
 
 CONNECT_TIMEOUT = 2.0
 
@@ -21,7 +21,7 @@ def master_address(mopts):
     return host, int(mopts.get("ret_port") or 4506)
 
 
-def master_running(mopts, timeout=CONNECT_TIMEOUT):
+def master_running(mopts):
     """
     ``(running, detail)``: whether something accepts connections on the
     master's ret_port (its request server: what minions authenticate and
@@ -29,7 +29,7 @@ def master_running(mopts, timeout=CONNECT_TIMEOUT):
     """
     host, port = master_address(mopts)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return checks.tcp_connect(host, port, timeout) is None, where
+    return checks.tcp_connect(host, port, CONNECT_TIMEOUT) is None, where
 
 
 def not_running_error(peer, where):
@@ -76,16 +76,6 @@ def master_process(mopts):
         return None
 
 
-def master_started(mopts):
-    """When the running salt-master (its pidfile's process) started (epoch seconds), or None."""
-    try:
-        import psutil  # pylint: disable=import-outside-toplevel
-
-        return psutil.Process(_pid(mopts)).create_time()
-    except Exception:  # pylint: disable=broad-except
-        return None
-
-
 def mark_restart(mopts, marker):
     """
     Record in ``marker`` that the master must restart to load what was just
@@ -106,9 +96,6 @@ def _valid_marker(data):
 
 def loaded_files(mopts):
     """The files a sync writes that the master loads only when it starts: keys, drop-in."""
-    # pylint: disable=import-outside-toplevel
-    from salt_multimaster import layout, protocol
-
     files = [path for topology in layout.TOPOLOGIES
              for path in layout.master_key_files(mopts, topology)]
     return files + [protocol.dropin_path(mopts)]
@@ -120,8 +107,11 @@ def _started_before_a_write(mopts):
     master started before the last change of a file it loads only when it
     starts (True), after all of them (False), or None (no master).
     """
-    started = master_started(mopts)
-    if started is None:
+    try:
+        import psutil  # pylint: disable=import-outside-toplevel
+
+        started = psutil.Process(_pid(mopts)).create_time()  # epoch seconds, as the mtimes
+    except Exception:  # pylint: disable=broad-except
         return None
     changed = []
     for path in loaded_files(mopts):
@@ -154,10 +144,9 @@ def restart_pending(mopts, marker):
         pending = _started_before_a_write(mopts)
         statefile.notice(marker, exc.why, "rebuilt from the master's start and the files it "
                          "loads: restart " + ("pending" if pending else "not pending"))
-        if pending:
-            mark_restart(mopts, marker)  # pending until the running master restarts
-        else:
-            statefile.write(marker, json.dumps({"written": time.time(), "master": None}))
+        # pending: the running master recorded, as mark_restart does, until it restarts
+        statefile.write(marker, json.dumps({"written": time.time(),
+                                            "master": master_process(mopts) if pending else None}))
         return pending
     if data is None:
         return False

@@ -24,7 +24,7 @@ the records only name it.  Plain Python: no Salt dunders.
 import json
 import os
 
-from salt_multimaster import layout, statefile
+from salt_multimaster import layout, membership, statefile
 
 NAME = "epoch.json"
 FORMAT = 1
@@ -34,22 +34,17 @@ class Fenced(ValueError):
     """A request from a primary this master no longer follows; the message says what to do."""
 
 
-def path(state_dir):
-    return os.path.join(state_dir, NAME)
-
-
 def read(state_dir):
     """
     This master's record: ``{"epoch": int, "primary": id or None,
     "retired": [ids], "peers": [ids], "entry": str or None, "topology":
     str or None, "self": its host's minion id or None}``.
     """
-    data = statefile.load(path(state_dir), "what it vouched for is read again")
+    data = statefile.load(os.path.join(state_dir, NAME), "what it vouched for is read again")
     ret = {"epoch": 0, "primary": None, "retired": [], "peers": [], "entry": None,
            "topology": None, "self": None}
     if isinstance(data, dict) and data.get("format") == FORMAT:
-        if isinstance(data.get("epoch"), int) and not isinstance(data["epoch"], bool) \
-                and data["epoch"] >= 0:
+        if _count(data.get("epoch")):
             ret["epoch"] = data["epoch"]
         for key in ("primary", "entry", "topology", "self"):
             if isinstance(data.get(key), str):
@@ -62,21 +57,25 @@ def read(state_dir):
 
 def write(state_dir, record):
     """Write ``record`` (:func:`read`'s shape), flushed: it is no cache."""
-    statefile.write(path(state_dir), json.dumps(dict(record, format=FORMAT)), mode=0o600)
+    statefile.write(os.path.join(state_dir, NAME), json.dumps(dict(record, format=FORMAT)),
+                    mode=0o600)
+
+
+def _count(value):
+    """Whether ``value`` is an epoch: a whole number, 0 or more."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def master_entry(opts):
     """How minions name this master (its interface, with a ret_port not 4506), or None."""
-    interface = str(opts.get("interface") or "")
-    if interface in ("", "0.0.0.0", "::"):
+    try:  # no fqdn: a master listening on every address has no entry of its own
+        return membership.master_entry({"interface": opts.get("interface"),
+                                        "ret_port": opts.get("ret_port")})
+    except membership.MembershipError:
         return None
-    port = opts.get("ret_port") or 4506
-    if str(port) != "4506":
-        return f"[{interface}]:{port}" if ":" in interface else f"{interface}:{port}"
-    return interface
 
 
-def claim(opts, peers, topology=None):
+def claim(opts, peers, topology):
     """
     What a sync from this primary carries: its epoch (its own record's),
     its id, its peers (every one configured), how minions name it and its
@@ -86,33 +85,20 @@ def claim(opts, peers, topology=None):
             "peers": list(peers), "entry": master_entry(opts), "topology": topology}
 
 
-def refusal(old, epoch, new):
-    """The named error of a request from ``old``, fenced off by the promote of ``new``."""
-    return (f"this master was promoted away from {old} at epoch {epoch}: run "
-            f"multimaster.failback on {new} instead")
-
-
-def valid_claim(value):
-    """A claim as a request carries it, or None (an older primary: epoch 0)."""
-    if not isinstance(value, dict):
-        return None
-    epoch = value.get("epoch")
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0 or not isinstance(
-            value.get("primary"), str):
-        return None
-    return value
-
-
 def fence(state_dir, value, self_id=None):
     """
     Check a request's claim against this master's record and record a newer
     epoch or changed cluster.  Raises :class:`Fenced` for a primary this
     master no longer follows.  ``self_id``: this host's minion id.
     """
-    got = valid_claim(value) or {"epoch": 0, "primary": None}
+    valid = isinstance(value, dict) and _count(value.get("epoch")) and isinstance(
+        value.get("primary"), str)
+    got = value if valid else {"epoch": 0, "primary": None}  # an older primary: epoch 0
     rec = read(state_dir)
     if got["epoch"] < rec["epoch"]:
-        raise Fenced(refusal(got["primary"] or "an older primary", rec["epoch"], rec["primary"]))
+        raise Fenced(f"this master was promoted away from {got['primary'] or 'an older primary'}"
+                     f" at epoch {rec['epoch']}: run multimaster.failback on {rec['primary']} "
+                     "instead")
     if got["epoch"] == rec["epoch"] > 0 and got["primary"] != rec["primary"]:
         raise Fenced(f"split brain: {got['primary']} and {rec['primary']} both claim to be the "
                      f"primary at epoch {rec['epoch']}: stop one of them, then run "
@@ -132,12 +118,12 @@ def fence(state_dir, value, self_id=None):
     return new
 
 
-def promoted(rec, master_id, self_id, peers=None):
+def promoted(rec, master_id, peers=None):
     """
     The record of ``master_id`` made the primary by ``multimaster.promote``:
     the next epoch (the same when it is the primary already: a second run
     changes nothing), the old primary retired, its peers the ones given or
-    the old primary's less this host.
+    the old primary's less this host (``self`` of ``rec``).
     """
     if rec["primary"] == master_id and rec["epoch"] > 0:
         return dict(rec, peers=list(peers) if peers is not None else rec["peers"])
@@ -145,6 +131,6 @@ def promoted(rec, master_id, self_id, peers=None):
     if rec["primary"] and rec["primary"] != master_id:
         retired.add(rec["primary"])
     if peers is None:
-        peers = [p for p in rec["peers"] if p != self_id]
+        peers = [p for p in rec["peers"] if p != rec["self"]]
     return dict(rec, epoch=rec["epoch"] + 1, primary=master_id, retired=sorted(retired),
                 peers=list(peers))

@@ -42,8 +42,8 @@ Plain Python: Salt comes in through :class:`SaltOps`.
 
 import logging
 
-from salt_multimaster import (applier, layout, outage, protocol, report, restore, revocation,
-                              rounds, validate)
+from salt_multimaster import (applier, layout, outage, report, restore, revocation, rounds,
+                              validate)
 from salt_multimaster import sync as core
 
 log = logging.getLogger(__name__)
@@ -105,14 +105,8 @@ def carry(ops, peer, items):
     master, as a sync writes a peer (:mod:`failback`).
     """
     step = {"result": True, "changes": {}}
-    names = outage.collect_items(items)
-    sizes = {}
-    for item in items:
-        if item["cat"] != "minion_keys" and item["peer"] is not None:
-            env, rel = item["name"].split(":", 1)
-            sizes[protocol.item_name(item["cat"], {"env": env, "rel": rel})] = item["peer"][0]
     contents, errors = {}, []
-    for batch in outage.batches(names, sizes, restore.COLLECT_MAX_BYTES):
+    for batch in outage.batches(outage.collect_items(items), restore.COLLECT_MAX_BYTES):
         reply, error = ops.collect(peer, batch, ops.conf["timeout"])
         if error:
             errors.append(error)

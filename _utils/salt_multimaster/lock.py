@@ -87,4 +87,4 @@ def read_holder(path):
             words = fh.read().split()
     except OSError:
         return None
-    return words[0] if words and words[0] != "" and len(words) > 1 else None
+    return words[0] if len(words) > 1 else None

@@ -102,12 +102,6 @@ def read_dropin(path):
     return as_list((conf or {}).get("peers"))
 
 
-def render(peers):
-    """The drop-in's text for ``peers``."""
-    return HEADER + salt.utils.yaml.safe_dump({"multimaster": {"peers": list(peers)}},
-                                              default_flow_style=False)
-
-
 def write_dropin(path, peers):
     """
     Write the drop-in listing ``peers`` (0600, temp file, fsync, rename), or
@@ -117,18 +111,9 @@ def write_dropin(path, peers):
         statefile.remove(path)
         return path
     fsutil.makedirs(os.path.dirname(path), mode=0o755)
-    statefile.write(path, render(peers), mode=DROPIN_MODE)
+    statefile.write(path, HEADER + salt.utils.yaml.safe_dump(
+        {"multimaster": {"peers": list(peers)}}, default_flow_style=False), mode=DROPIN_MODE)
     return path
-
-
-def main_file_block(conf_file):
-    """The ``multimaster`` value set in the main config file itself, or None."""
-    try:
-        with open(conf_file, encoding="utf-8") as fh:
-            data = salt.utils.yaml.safe_load(fh)
-    except (OSError, salt.utils.yaml.YAMLError):
-        return None
-    return data.get("multimaster") if isinstance(data, dict) else None
 
 
 def shadowed(conf_file, dropin):
@@ -136,7 +121,12 @@ def shadowed(conf_file, dropin):
     Why the drop-in cannot be used, or None: a ``multimaster`` block in the
     main config file, which Salt would replace with the drop-in's.
     """
-    if main_file_block(conf_file) is None:
+    try:
+        with open(conf_file, encoding="utf-8") as fh:
+            data = salt.utils.yaml.safe_load(fh)
+    except (OSError, salt.utils.yaml.YAMLError):
+        return None
+    if not isinstance(data, dict) or data.get("multimaster") is None:
         return None
     conf_dir = os.path.dirname(dropin)
     return (
@@ -145,14 +135,6 @@ def shadowed(conf_file, dropin):
         f"would hide your whole multimaster block. Move that block to "
         f"{os.path.join(conf_dir, 'multimaster.conf')} (merged with {DROPIN_NAME}: the "
         "peers lists are joined), then run the command again")
-
-
-def key_state(pki_dir, minion_id):
-    """Which key dir of ``pki_dir`` holds ``minion_id`` (None: no key)."""
-    for state in manifest.KEY_STATES:
-        if os.path.isfile(os.path.join(pki_dir, state, minion_id)):
-            return state
-    return None
 
 
 def check_new_peer(peer, opts, configured, dropin_peers):
@@ -173,7 +155,8 @@ def check_new_peer(peer, opts, configured, dropin_peers):
         raise MembershipError(
             f"{peer!r} is already a peer (in {where}): run salt-run multimaster.sync "
             f"peers={peer} or multimaster.status peers={peer}")
-    state = key_state(opts["pki_dir"], peer)
+    state = next((state for state in manifest.KEY_STATES   # the key dir holding it, if any
+                  if os.path.isfile(os.path.join(opts["pki_dir"], state, peer))), None)
     if state != "minions":
         raise MembershipError(
             f"{peer!r} is not an accepted minion of this master"
@@ -243,10 +226,10 @@ def master_entry(host, address=None):
     return name
 
 
-def lists(entries, entry, resolved=None):
+def lists(entries, entry, resolved):
     """Whether the master list ``entries`` names the master ``entry`` (any spelling)."""
     want = masters.parse_lenient(entry)[0]
-    return any(masters.same(masters.parse_lenient(e)[0], want, resolved or {})
+    return any(masters.same(masters.parse_lenient(e)[0], want, resolved)
                for e in masters.entries(entries))
 
 
@@ -334,6 +317,14 @@ def next_steps(rows, entry, adding):
             for status, ids in sorted(rows.items()) if status in texts and ids]
 
 
+def pub_sha(opts, topology):
+    """The sha256 of the master public key this master serves for ``topology``, or None."""
+    try:
+        return manifest.sha256_file(layout.master_key_files(opts, topology)[1])
+    except OSError:
+        return None
+
+
 def host_report(mopts, grains, topology, connect=None):
     """
     The peer host's side of the check (``multimaster_peer.host_check``):
@@ -343,37 +334,21 @@ def host_report(mopts, grains, topology, connect=None):
     """
     connect = connect or (lambda host, port:
                           checks.tcp_connect(host, port, daemon.CONNECT_TIMEOUT) is None)
-    host = daemon.master_address(mopts)[0]
-    ports = {}
-    for key in ("publish_port", "ret_port"):
-        port = int(mopts.get(key) or (4505 if key == "publish_port" else 4506))
-        ports[port] = connect(host, port)
-    pid = None
-    if daemon.master_started(mopts) is not None:
-        try:
-            with open(mopts["pidfile"], encoding="utf-8") as fh:
-                pid = int(fh.read().strip())
-        except (OSError, ValueError):
-            pid = None
-    pub = layout.master_key_files(mopts, topology)[1]
-    try:
-        pub_sha = manifest.sha256_file(pub)
-    except OSError:
-        pub_sha = None
+    host, ret_port = daemon.master_address(mopts)
+    publish_port = int(mopts.get("publish_port") or 4505)
+    ports = {port: connect(host, port) for port in (publish_port, ret_port)}
+    running = daemon.master_process(mopts)
     return {"master_id": mopts.get("id"), "master_config": mopts.get("conf_file"),
-            "interface": mopts.get("interface"), "ret_port": int(mopts.get("ret_port") or 4506),
-            "publish_port": int(mopts.get("publish_port") or 4505), "ports": ports,
-            "master_pid": pid, "pub_sha": pub_sha, "fqdn": (grains or {}).get("fqdn")}
+            "interface": mopts.get("interface"), "ret_port": ret_port,
+            "publish_port": publish_port, "ports": ports,
+            "master_pid": running[0] if running else None, "pub_sha": pub_sha(mopts, topology),
+            "fqdn": (grains or {}).get("fqdn")}
 
 
-# The sync's error lines about the peer's salt-master itself (daemon.py,
-# the runner's verdict): the start step handles them.
-_MASTER_LINES = (
-    r"{peer}'s salt-master is not running \(nothing accepts connections on [^)]*\): "
-    r"the peer holds the primary's data but serves no minion; start it",
-    r"{peer}'s salt-master must restart to load the new master keys or config "
-    r"\(no service manager restarted it\): restart it",
-)
+# The sync's error line of a restart nothing made (sync.verdict): the start
+# step handles it, as it handles the peer's master not running (daemon.py).
+_RESTART_LINE = ("{peer}'s salt-master must restart to load the new master keys or config "
+                 "(no service manager restarted it): restart it")
 
 
 def sync_kept(res, peer):
@@ -389,9 +364,9 @@ def sync_kept(res, peer):
     if not cats or any(rep.get("errors") or rep.get("conflicts") or rep.get("unconfirmed")
                        or rep.get("peer_changed") for rep in cats):
         return False
-    rest = str(res.get("error") or "")
-    for line in _MASTER_LINES:
-        rest = re.sub(line.format(peer=re.escape(peer)), "", rest)
+    rest = str(res.get("error") or "").replace(_RESTART_LINE.format(peer=peer), "")
+    head, tail = daemon.not_running_error(peer, "\0").split("\0")
+    rest = re.sub(re.escape(head) + r"[^)]*" + re.escape(tail), "", rest)
     return not rest.strip("; ")
 
 
@@ -420,7 +395,7 @@ def master_step(check_state, sync_res, test):
             "comment": "salt-master runs with the primary's master key"}
 
 
-def report_rows(ret, verbose=False):
+def report_rows(ret):
     """
     The compact report of add_peer/remove_peer for ``salt-run`` without
     ``--out`` (:func:`salt_multimaster.report.steps_rows`, titled ``peer``):
@@ -428,4 +403,4 @@ def report_rows(ret, verbose=False):
     the minions' groups), the next steps, then ``retcode``.
     """
     title = f"{ret.get('peer')} (minions list it as {ret.get('master_entry', '?')})"
-    return report.steps_rows(ret, title, verbose, title_key="peer", peer=ret.get("peer"))
+    return report.steps_rows(ret, title, False, title_key="peer", peer=ret.get("peer"))

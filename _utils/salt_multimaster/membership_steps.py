@@ -9,7 +9,6 @@ steps); plain Python, no Salt dunders.  The drop-in, the checks and the
 reports they use: :mod:`salt_multimaster.membership`.
 """
 
-import contextlib
 import functools
 import logging
 import time
@@ -17,7 +16,7 @@ import time
 import salt.config
 from salt.exceptions import SaltInvocationError
 
-from salt_multimaster import jobs, layout, manifest, membership, protocol, report, settings
+from salt_multimaster import jobs, layout, membership, protocol, report, settings
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,8 @@ class SaltOps:
 
     opts
         The primary's options (the runner's ``__opts__``): the steps set its
-        ``multimaster`` (:meth:`reload_peers`, :meth:`peers_in_opts`), which
-        the sync reads.
+        ``multimaster`` (:meth:`reload_peers`; a test run, for its sync),
+        which the sync reads.
     cmd(tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30)
         ``{minion id: return}`` of the minions that returned ``fun``.
     minions(tgt, tgt_type)
@@ -63,18 +62,6 @@ class SaltOps:
         fresh = salt.config.master_config(self.opts["conf_file"])
         self.opts["multimaster"] = fresh.get("multimaster")
         return membership.effective_peers(fresh)
-
-    @contextlib.contextmanager
-    def peers_in_opts(self, peers):
-        """``multimaster:peers`` of :attr:`opts` set to ``peers`` for the block (test mode)."""
-        saved = self.opts.get("multimaster")
-        conf = dict(saved) if isinstance(saved, dict) else {}
-        conf["peers"] = list(peers)
-        self.opts["multimaster"] = conf
-        try:
-            yield
-        finally:
-            self.opts["multimaster"] = saved
 
     def host(self, peer, topology, timeout):
         """The peer host's ``multimaster_peer.host_check`` return (None: no answer)."""
@@ -180,11 +167,7 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
     ret = {"peer": peer, "test": test, "steps": steps, "next_steps": []}
 
     host = salt_ops.host(peer, topology, timeout)
-    try:
-        primary_pub = manifest.sha256_file(layout.master_key_files(opts, topology)[1])
-    except OSError:
-        primary_pub = None
-    check = membership.check_host(peer, host, opts["id"], primary_pub)
+    check = membership.check_host(peer, host, opts["id"], membership.pub_sha(opts, topology))
     steps["check"] = {"result": check["result"], "comment": check["comment"]}
     if not check["result"]:
         return report.steps_done(ret)
@@ -203,8 +186,13 @@ def add_peer(salt_ops, peer, address=None, test=False, tgt="*", tgt_type="glob",
     if test:
         steps["config"] = {"result": None,
                            "comment": f"{dropin} would list {', '.join(peers)}"}
-        with salt_ops.peers_in_opts(configured + [peer]):
+        saved = opts.get("multimaster")  # the sync reads the peers of opts
+        opts["multimaster"] = dict(saved if isinstance(saved, dict) else {},
+                                   peers=configured + [peer])
+        try:
             synced = salt_ops.sync(peers=peer, test=True)
+        finally:
+            opts["multimaster"] = saved
     else:
         loaded = _configure(salt_ops, dropin, peers, steps)
         if loaded is None:

@@ -84,12 +84,6 @@ def key_label(mid, peer, base):
     return f"{state}/{mid}", "another key"
 
 
-def tree_label(env, rel, peer, base):
-    """How a report names the file ``env:rel`` and what the peer did to it."""
-    what = "removed" if peer is None else "added" if base is None else "edited"
-    return f"{env}:{rel}", what
-
-
 def _line(kind, label, what, where="the peer"):
     if kind == PEER_CHANGED:
         return f"{label}: {what} on {where} since its last sync (kept)"
@@ -166,12 +160,11 @@ def classify(cat, mine, theirs, record, forced=()):
                 if peer == _safe(primary):
                     found.append({"cat": cat, "name": name, "kind": CONVERGED})
                     continue
-                label, what = tree_label(env, rel, peer, base)
+                what = "removed" if peer is None else "added" if base is None else "edited"
                 kind = PEER_CHANGED if _safe(primary) == base else CONFLICT
-                found.append({"cat": cat, "name": name, "label": label, "kind": kind,
-                              "what": what, "line": _line(kind, label, what), "peer": peer,
-                              "base": base,
-                              "primary": primary})
+                found.append({"cat": cat, "name": name, "label": name, "kind": kind,
+                              "what": what, "line": _line(kind, name, what), "peer": peer,
+                              "base": base, "primary": primary})
     return _without(mine, drop), _without(theirs, drop), found
 
 
@@ -259,7 +252,7 @@ def plan_keys(mine, theirs, history, force, damaged=None):
     return ops, rep
 
 
-def confirm_digests(primary, categories, config_keys=()):
+def confirm_digests(primary, categories):
     """
     The ``confirm`` of an apply: the primary's digests of the roots it
     syncs, and the sha256 of each replicated option, from which the peer
@@ -342,23 +335,25 @@ def keep_force(items):
 
 
 def collect_items(items):
-    """The item names (:func:`protocol.item_name`) whose contents the peer sends for ``items``."""
-    ret = []
+    """
+    ``{item name: bytes}`` (:func:`protocol.item_name`; a key weighs
+    :data:`replicate.KEY_WEIGHT`): what the peer sends for ``items``.
+    """
+    ret = {}
     for item in items:
         if item["cat"] == "minion_keys":
-            ret.extend(protocol.item_name("minion_keys", {"state": state, "id": item["name"]})
-                       for state in sorted(item["peer"] or {}))
+            ret.update((protocol.item_name("minion_keys", {"state": state, "id": item["name"]}),
+                        replicate.KEY_WEIGHT) for state in sorted(item["peer"] or {}))
         elif item["peer"] is not None:
             env, rel = item["name"].split(":", 1)
-            ret.append(protocol.item_name(item["cat"], {"env": env, "rel": rel}))
+            ret[protocol.item_name(item["cat"], {"env": env, "rel": rel})] = item["peer"][0]
     return ret
 
 
-def batches(names, sizes, limit):
-    """``names`` cut in batches of at most ``limit`` bytes (``sizes``: ``{name: bytes}``)."""
+def batches(sizes, limit):
+    """The names of ``sizes`` (``{name: bytes}``) cut in batches of at most ``limit`` bytes."""
     ret, current, size = [], [], 0
-    for name in names:
-        weight = sizes.get(name, replicate.KEY_WEIGHT)
+    for name, weight in sizes.items():
         if current and size + weight > limit:
             ret.append(current)
             current, size = [], 0

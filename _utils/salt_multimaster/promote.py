@@ -79,7 +79,7 @@ def _configure(salt_ops, peers, test):
     return {"result": True, "comment": f"{dropin} lists {', '.join(dropin_peers + want)}"}
 
 
-def _next_steps(opts, rec, new, pull):
+def _next_steps(opts, rec, new):
     own_entry = epoch.master_entry(opts) or opts["id"]
     steps = [f"pillar multimaster:masters: list {own_entry} first"
              + (f" and remove {rec['entry']}" if rec.get("entry") else "")
@@ -93,7 +93,7 @@ def _next_steps(opts, rec, new, pull):
     if new.get("topology") and new["topology"] != "shared":
         steps.append(f"set multimaster:topology: {new['topology']} in this master's "
                      "master.d/multimaster.conf")
-    missing = [p for p in new["peers"] if not pull(p)]
+    missing = [p for p in new["peers"] if not protocol.pull_allowed(opts.get("peer_run"), p)]
     if missing:
         steps.append(f"{', '.join(missing)} may not pull a large sync from this master: add\n"
                      + protocol.peer_run_snippet(missing))
@@ -113,7 +113,7 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
     rec = epoch.read(state)
     steps = {}
     comment = _check(opts, rec)
-    new = epoch.promoted(rec, opts["id"], rec["self"], peers)
+    new = epoch.promoted(rec, opts["id"], peers)
     ret = {"master": opts["id"], "test": test, "epoch": new["epoch"], "steps": steps,
            "retired": new["retired"], "peers": new["peers"]}
     steps["check"] = {"result": True, "comment": comment}
@@ -144,15 +144,14 @@ def promote(salt_ops, test=False, peers=None, address=None, tgt="*", tgt_type="g
                             f"not synced: {', '.join(failed)} (see changes; run "
                             "salt-run multimaster.sync again)")}
     entry = address or rec.get("entry")
-    rows, todo = {}, []
+    todo = []
     if entry:
         rows, todo = membership_steps.minions(salt_ops, entry, [], tgt, tgt_type, False)
         listing = sorted(rows.get("still_lists", []) + rows.get("pillar_lists", []))
         steps["minions"] = {"result": True, "minions": rows, "comment": (
             f"{len(listing)} minion(s) still list {entry}: {', '.join(listing)}" if listing
             else f"no minion that answered lists {entry}")}
-    ret["next_steps"] = todo + _next_steps(
-        opts, rec, new, lambda p: protocol.pull_allowed(opts.get("peer_run"), p))
+    ret["next_steps"] = todo + _next_steps(opts, rec, new)
     return report.steps_done(ret)
 
 

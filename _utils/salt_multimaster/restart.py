@@ -234,7 +234,6 @@ def schedule(opts, run_bg, cmd, delay=DEFAULT_DELAY, service="salt-minion", wait
     Returns ``{"scheduled": bool, "pid": int, "cmd": str}``; ``scheduled`` is
     False when a restart is already pending (its pid).
     """
-    check_service(service)
     already = pending(opts, service)
     if already:
         return {"scheduled": False, "pid": already, "cmd": cmd}

@@ -53,7 +53,7 @@ def restore(mopts, state_dir, backup_name, test, restart):
     ret = {"result": True, "backup_restored": os.path.basename(source), "restored": [],
            "errors": []}
     app = None if test else Applier(mopts, state_dir, None)
-    refused = restart.why_refused() if getattr(restart, "refused", None) else None
+    refused = restart.why_refused()
     for rel in backup.items(source):
         try:
             target, mode = restore_target(mopts, rel)
@@ -70,14 +70,12 @@ def restore(mopts, state_dir, backup_name, test, restart):
             ret["restored"].append(rel)
         except (backup.BackupError, fsutil.PathError, PeerError, OSError) as exc:
             ret["errors"].append(f"{rel}: {exc}")
+    daemon_files = any(r.split("/", 1)[0] in DAEMON_CATEGORIES for r in ret["restored"])
     if app is not None:
         app.commit()
         ret["backup"] = app.backup_root if app.backed_up else None
-        daemon_files = any(r.split("/", 1)[0] in ("master_keys", "master_config")
-                           for r in ret["restored"])
         ret["restart"] = restart() if daemon_files else None
-    elif hasattr(restart, "predict") and any(
-            r.split("/", 1)[0] in DAEMON_CATEGORIES for r in ret["restored"]):
+    elif daemon_files:
         ret["restart"] = restart.predict()
     ret["result"] = not ret["errors"]
     return ret

@@ -58,11 +58,11 @@ def test_before_any_promote_no_primary_is_enforced(tmp_path):
 
 def test_promoted_takes_the_next_epoch_once(tmp_path):
     rec = dict(epoch.read(str(tmp_path)), primary="a_master", peers=["b", "c"], self="b")
-    new = epoch.promoted(rec, "b_master", "b")
+    new = epoch.promoted(rec, "b_master")
     assert (new["epoch"], new["primary"], new["retired"], new["peers"]) == (
         1, "b_master", ["a_master"], ["c"])
-    assert epoch.promoted(new, "b_master", "b") == new
-    assert epoch.promoted(rec, "b_master", "b", peers=["d"])["peers"] == ["d"]
+    assert epoch.promoted(new, "b_master") == new
+    assert epoch.promoted(rec, "b_master", peers=["d"])["peers"] == ["d"]
 
 
 def test_a_damaged_record_reads_as_epoch_0(tmp_path):

@@ -548,7 +548,7 @@ def test_a_collect_fits_in_a_return(fake):
     assert "copy it to the primary by hand, or keep it" in got["errors"][0]
     # the primary asks in batches that fit
     sizes = {"a": 300 * 1024, "b": 300 * 1024, "c": 10}
-    assert outage.batches(["a", "b", "c"], sizes, restore.COLLECT_MAX_BYTES) == [["a"], ["b", "c"]]
+    assert outage.batches(sizes, restore.COLLECT_MAX_BYTES) == [["a"], ["b", "c"]]
 
 
 def test_the_record_of_a_key_forced_holds_what_the_peer_holds_of_it(fake):
