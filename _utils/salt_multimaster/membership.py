@@ -76,20 +76,10 @@ def effective_peers(opts):
     return as_list(conf.get("peers"))
 
 
-def _yaml(data):
-    """YAML from bytes, or ValueError naming what is wrong."""
-    try:
-        return salt.utils.yaml.safe_load(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8") from None
-    except salt.utils.yaml.YAMLError:
-        raise ValueError("not YAML") from None
-
-
 def read_dropin(path):
     """The peers listed in the drop-in (``[]`` when it does not exist)."""
     try:
-        data = statefile.read(path, parse=_yaml)
+        data = statefile.read(path, parse=statefile.parse_yaml)
     except statefile.Damaged as exc:
         raise MembershipError(f"{exc}: fix it, or remove it and add the peers again with "
                               "salt-run multimaster.add_peer") from None

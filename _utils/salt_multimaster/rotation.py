@@ -24,7 +24,6 @@ shared keypair and the verdict on each minion.  The step machine that runs
 the sequence: :mod:`salt_multimaster.rotation_steps`.
 """
 
-import datetime
 import json
 import logging
 import os
@@ -47,11 +46,6 @@ DEFAULT_KEYSIZE = 4096
 
 class RotationError(ValueError):
     """A master that cannot be rotated as asked (named, with what to do)."""
-
-
-def backup_stamp():
-    """A backup folder name, as a sync names them."""
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
 
 
 def gen_keypair(bits=DEFAULT_KEYSIZE):
@@ -148,7 +142,7 @@ def prune_backups(mopts, keep=backup.DEFAULT_KEEP):
 
 def backup_root(mopts):
     """A new backup folder of this master: ``<cachedir>/multimaster/backup/<stamp>``."""
-    return os.path.join(mopts["cachedir"], "multimaster", "backup", backup_stamp())
+    return os.path.join(mopts["cachedir"], "multimaster", "backup", statefile.stamp())
 
 
 def serving(mopts, marker):
@@ -271,7 +265,7 @@ def steps_for(topology, peers, primary):
 
 def new_record(topology, peers, primary):
     return {
-        "started": backup_stamp(),
+        "started": statefile.stamp(),
         "topology": topology,
         "primary": primary,
         "steps": steps_for(topology, peers, primary),

@@ -22,6 +22,8 @@ import logging
 import os
 import stat
 
+import salt.utils.yaml
+
 from salt_multimaster import compat, fsutil
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,16 @@ def parse_json(data):
         raise ValueError("not JSON (truncated?)") from None
 
 
+def parse_yaml(data):
+    """YAML from bytes, or ValueError naming what is wrong (not UTF-8, not YAML)."""
+    try:
+        return salt.utils.yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8") from None
+    except salt.utils.yaml.YAMLError:
+        raise ValueError("not YAML") from None
+
+
 def read(path, valid=None, parse=parse_json):
     """
     What the state file ``path`` holds, parsed (default JSON): None when it
@@ -126,13 +138,17 @@ def load(path, then, default=None, valid=None, parse=parse_json):
     return default if value is None else value
 
 
+def stamp():
+    """The UTC time now as this package names backups and damaged files (``backup.STAMP``)."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+
+
 def aside(path, why):
     """
     Move what stands at ``path`` aside (``<path>.damaged-<time>``), so that
     a state file or directory can be made there; return the new name.
     """
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    moved = f"{path}.damaged-{stamp}"
+    moved = f"{path}.damaged-{stamp()}"
     os.rename(path, moved)
     notice(path, why, f"moved aside to {moved}, made again")
     return moved
