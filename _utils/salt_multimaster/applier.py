@@ -12,7 +12,6 @@ configuration, ``state_dir`` the minion's ``<cachedir>/multimaster``.
 """
 
 import concurrent.futures
-import datetime
 import functools
 import hashlib
 import logging
@@ -22,7 +21,7 @@ import salt.utils.yaml
 
 from salt_multimaster import (backup, compat, confirmed, fsutil, history, keyscan, layout,
                               manifest, protocol, replicate, revocation, rootscan, seal,
-                              statefile, store, validate)
+                              statefile, validate)
 from salt_multimaster.peer import PeerError, check_expected, locked
 
 log = logging.getLogger(__name__)
@@ -48,8 +47,8 @@ class Applier:
         self.mopts = mopts
         self.state_dir = state_dir
         self.unseal = unseal
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup", stamp)
+        self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup",
+                                        statefile.stamp())
         self.backed_up = False
         # staged outside the roots and key dirs (nothing half-synced is ever
         # served), where a batch killed before its commit is found and
@@ -63,7 +62,6 @@ class Applier:
             log.info("multimaster: removed %s, left by a sync that died", stale)
         self.batch = fsutil.Batch(stage_root=stage_root)
         self.puller = None
-        self.written = []
         # directories this sync resolved or created: a sync of 20,000 keys
         # writes 20,000 files into one directory
         self.realpath = functools.lru_cache(maxsize=4096)(os.path.realpath)
@@ -78,40 +76,21 @@ class Applier:
         if fsutil.backup(path, self.backup_root, rel):
             self.backed_up = True
 
-    def write(self, path, data, mode, rel, sha, hasher=None, cache_path=None):
-        """
-        Stage ``data`` for ``path``; ``cache_path``: the name the manifests
-        give the file, so the next inventory stats it instead of hashing it
-        again.
-        """
+    def write(self, path, data, mode, rel, sha, hasher=None):
+        """Stage ``data`` for ``path``, checked against its manifest's ``sha``."""
         hasher = hasher or (lambda d: hashlib.sha256(d).hexdigest())
         if sha is not None and hasher(data) != sha:
             raise PeerError(f"{rel}: content does not match its manifest, not written")
         self.backup(path, rel)
         self.makedirs(os.path.dirname(path))
         self.batch.write(path, data, mode=mode)
-        if cache_path and sha is not None:
-            self.written.append((path, cache_path, sha))
 
     def commit(self):
-        """
-        Make every staged write durable, then record the written files'
-        hashes in the state store (the next read then does not read them
-        again).
-        """
+        """Make every staged write durable (:meth:`fsutil.Batch.commit`)."""
         try:
             self.batch.commit()
         except OSError as exc:
             raise PeerError(f"writing on the peer failed, nothing renamed after: {exc}") from exc
-        written, self.written = self.written, []
-        stats = []
-        for path, cache_path, sha in written:
-            try:
-                stats.append((cache_path, os.stat(path), sha))
-            except OSError:
-                pass
-        if stats:
-            store.record_hashes(self.state_dir, stats)
 
     def remove(self, path, rel):
         self.backup(path, rel)
@@ -162,7 +141,7 @@ def apply_minion_keys(app, ops):
             if op["op"] == replicate.WRITE:
                 app.makedirs(os.path.dirname(path), mode=fsutil.KEY_DIR_MODE)
                 app.write(path, app.content("minion_keys", op), 0o644, f"minion_keys/{rel}",
-                          op["sha256"], hasher=manifest.key_sha, cache_path=path)
+                          op["sha256"], hasher=manifest.key_sha)
             else:
                 app.remove(path, f"minion_keys/{rel}")
             report["removed" if op["op"] == replicate.REMOVE else "updated"].append(rel)
@@ -207,9 +186,7 @@ def apply_tree(app, cat, ops, fetch):
                     raise cached
                 with open(cached, "rb") as fh:
                     data = fh.read()
-            app.write(target, data, fsutil.safe_mode(op["mode"]), item, op["sha256"],
-                      cache_path=os.path.join(app.realpath(os.path.dirname(target)),
-                                              os.path.basename(target)))
+            app.write(target, data, fsutil.safe_mode(op["mode"]), item, op["sha256"])
             report["updated"].append(rel)
         except APPLY_ERRORS as exc:
             report["errors"].append(f"{rel}: {exc}")
@@ -239,12 +216,7 @@ def apply_master_keys(app, ops, topology):
 
 def _parse_dropin(data):
     """The options of the drop-in: a YAML mapping of replicable options (ValueError else)."""
-    try:
-        values = salt.utils.yaml.safe_load(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        raise ValueError("not UTF-8") from None
-    except salt.utils.yaml.YAMLError:
-        raise ValueError("not YAML") from None
+    values = statefile.parse_yaml(data)
     if values is None:
         return {}
     if not isinstance(values, dict):

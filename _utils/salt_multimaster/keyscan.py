@@ -26,15 +26,11 @@ CATEGORY = "minion_keys"
 _SCAN_FIELDS = ("pki_dir", "token", "errors", "damaged")
 
 
-def _key_sha(state, name, path, st, known, errors):
+def _key_sha(state, name, path, errors):
     """
-    The sha256 of one key file whose stat is ``st``, or None when it is not
-    a key Salt would use (the reason goes to ``errors``).  ``known(path,
-    st)``: a hash recorded for it (a peer's apply), else None.
+    The sha256 of one key file, or None when it is not a key Salt would use
+    (the reason goes to ``errors``).
     """
-    sha = known(path, st)
-    if sha is not None:
-        return sha
     try:
         if state == "minions_autosign":
             return manifest.key_sha_file(path)
@@ -151,9 +147,6 @@ class KeysSnapshot:
         # the parts before this scan of the buckets it changes (previous_parts)
         self._old_parts, new = store.rewrite(writes, changed, lambda b: _part(store, b))
         store.set_digests(CATEGORY, new)
-        if todo is None:
-            # every key dir listed: the hashes a peer's apply recorded are spent
-            store.forget_hashes(self.pki_dir)
         # what was remembered with the scan (remember()) holds while its keys are the same
         kept = {k: v for k, v in meta.items() if k not in _SCAN_FIELDS} if not changed else {}
         store.set_meta("keys", dict(kept, pki_dir=self.pki_dir, token=token,
@@ -176,7 +169,6 @@ class KeysSnapshot:
             for name in names:
                 old.update((row[0], row) for row in store.db.execute(sql + " AND id = ?",
                                                                      (state, name)))
-        known = state_store.no_hash if rescan else store.known_hash
         seen, put = set(), []
         for name, path, entry in _listing(self.pki_dir, state, names):
             st = _stat_key(state, name, path, entry, errors)
@@ -187,7 +179,7 @@ class KeysSnapshot:
             if was is not None and not rescan and was[1:5] == now:
                 seen.add(name)
                 continue
-            sha = _key_sha(state, name, path, st, known, errors)
+            sha = _key_sha(state, name, path, errors)
             if sha is None:
                 continue
             seen.add(name)
@@ -251,8 +243,7 @@ def keys_state(pki_dir, ids, errors=None):
         for state in manifest.KEY_DIRS:
             path = os.path.join(pki_dir, state, mid)
             st = _stat_key(state, mid, path, None, errors)
-            sha = None if st is None else _key_sha(state, mid, path, st, state_store.no_hash,
-                                                   errors)
+            sha = None if st is None else _key_sha(state, mid, path, errors)
             if sha is not None:
                 ret[state][mid] = sha
     return ret

@@ -77,16 +77,12 @@ class RootsScan:
         reals = {os.path.realpath(r) for env_roots in self.roots.values() for r in env_roots}
         dirty, token = state_store.journal_word(watch, meta.get("token"), reals, rescan)
         self.previous_safe = store.digests(f"{cat}:safe")
-        self.known_hash = state_store.no_hash if rescan else store.known_hash
         writes, buckets, unlisted = [], set(), 0
         for env, roots in self.roots.items():
             for root in roots:
                 walk = _Walk(self, db, env, root, rescan)
                 vouched = (dirty or {}).get(walk.real_root)
                 walk.run(None if vouched is None else set(vouched[0]))
-                if vouched is None:
-                    # every file statted: the hashes a peer's apply recorded are spent
-                    store.forget_hashes(walk.real_root)
                 writes.extend(walk.writes)
                 buckets |= walk.buckets
                 unlisted += len(set(walk.known) - walk.visited)
@@ -292,13 +288,11 @@ class _Walk:
                 and was[6:10] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)):
             return self._row(rel, name, st, was[11])
         real = real or os.path.join(real_dir, name)
-        sha = self.scan.known_hash(real, st)
-        if sha is None:
-            try:
-                sha = manifest.sha256_file(real)
-            except OSError as exc:
-                return self._row(rel, name, error=f"{self.root}: {path}: unreadable: "
-                                                  f"{exc.strerror}", damaged=path)
+        try:
+            sha = manifest.sha256_file(real)
+        except OSError as exc:
+            return self._row(rel, name, error=f"{self.root}: {path}: unreadable: "
+                                              f"{exc.strerror}", damaged=path)
         return self._row(rel, name, st, sha)
 
     def _row(self, directory, name, st=None, sha=None, error=None, damaged=None):

@@ -18,9 +18,6 @@ Tables (schema :data:`SCHEMA`, in SQLite's ``user_version``):
     ``(category, bucket) -> digest`` of those rows
     (:func:`salt_multimaster.manifest.bucket_digests`; the roots also as a
     peer in step holds them, ``<category>:safe``).
-``hashes``
-    ``path -> inode, size, mtime_ns, ctime_ns, sha256`` of the files a
-    peer's apply wrote, so that the next scan does not read them again.
 ``meta``
     ``name -> JSON``: what else a scan keeps (the journal's token, the
     errors of the key dirs, the roots and ignore rules scanned); on the
@@ -74,8 +71,6 @@ CREATE TABLE dirs (cat TEXT NOT NULL, env TEXT NOT NULL, root TEXT NOT NULL, rel
                    clean INTEGER NOT NULL, PRIMARY KEY (cat, env, root, rel));
 CREATE TABLE digests (cat TEXT NOT NULL, bucket TEXT NOT NULL, digest TEXT NOT NULL,
                       PRIMARY KEY (cat, bucket));
-CREATE TABLE hashes (path TEXT PRIMARY KEY, ino INTEGER, size INTEGER, mtime_ns INTEGER,
-                     ctime_ns INTEGER, sha TEXT NOT NULL);
 CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE confirmed (cat TEXT NOT NULL, bucket TEXT NOT NULL, digest TEXT NOT NULL,
                         part TEXT NOT NULL, PRIMARY KEY (cat, bucket));
@@ -213,24 +208,6 @@ class Store:
                 self.db.execute("INSERT OR REPLACE INTO digests (cat, bucket, digest) "
                                 "VALUES (?, ?, ?)", (cat, bucket, manifest.part_digest(part)))
 
-    def known_hash(self, path, st):
-        """The sha256 :func:`record_hashes` kept for ``path`` when it still has stat ``st``."""
-        rows = self.query("SELECT ino, size, mtime_ns, ctime_ns, sha FROM hashes WHERE path = ?",
-                          (path,))
-        if rows and rows[0][:4] == (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns):
-            return rows[0][4]
-        return None
-
-    def forget_hashes(self, tree):
-        """
-        Drop the hashes :func:`record_hashes` kept of files under the
-        directory ``tree``: a scan that statted every file there is past them.
-        """
-        top = os.path.join(tree, "")
-        # every path below: from "<tree>/" up to "<tree>0" ("0" follows "/"), byte-wise
-        self.db.execute("DELETE FROM hashes WHERE path >= ? AND path < ?",
-                        (top, top[:-1] + "0"))
-
 
 def journal_word(watch, token, trees, rescan):
     """
@@ -259,11 +236,6 @@ def journal_word(watch, token, trees, rescan):
                 and isinstance(changed.get(tree), list)):
             word[tree] = (changed[tree], names.get(tree) or {})
     return word, new_token
-
-
-def no_hash(_path, _st):
-    """:meth:`Store.known_hash` of a scan that reads every file again (``rescan``)."""
-    return None
 
 
 def scanning(state_dir, scan, rescan, watch, keep):
@@ -373,17 +345,3 @@ def record(state_dir, write, what, durable=True):
             set_aside(state_dir, error)
         else:
             log.warning("multimaster: %s: %s: %s not recorded", path, error, what)
-
-
-def record_hashes(state_dir, entries):
-    """
-    Keep ``(path, stat, sha256)`` of files just written in the store of
-    ``state_dir`` (:meth:`Store.known_hash`), as a cache (:func:`record`,
-    not flushed); a store that cannot be written is logged: those files
-    are read again.
-    """
-    record(state_dir, lambda found: found.db.executemany(
-        "INSERT OR REPLACE INTO hashes (path, ino, size, mtime_ns, ctime_ns, sha) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
-        [(path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sha)
-         for path, st, sha in entries]), "the hashes of the files written", durable=False)

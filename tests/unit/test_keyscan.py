@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from salt_multimaster import applier, keyscan, manifest, store
+from salt_multimaster import keyscan, manifest, store
 from tests.support.cluster import gen_keypair
 from tests.support import store as store_damage
 from tests.support.keys import digest_of_keys
@@ -35,11 +35,9 @@ def _reads(monkeypatch):
     got = []
     real = keyscan._key_sha  # pylint: disable=protected-access
 
-    def counting(state, name, path, st, known, errors):
-        sha = known(path, st)
-        if sha is None:
-            got.append(f"{state}/{name}")
-        return real(state, name, path, st, known, errors)
+    def counting(state, name, path, errors):
+        got.append(f"{state}/{name}")
+        return real(state, name, path, errors)
 
     monkeypatch.setattr(keyscan, "_key_sha", counting)
     return got
@@ -224,21 +222,6 @@ def test_a_scan_of_another_pki_dir_starts_afresh(pki, tmp_path):
     other = tmp_path / "other"
     (other / "minions").mkdir(parents=True)
     assert _scan(other, state)[1]["manifest"] == {s: {} for s in manifest.KEY_DIRS}
-
-
-def test_the_keys_a_peer_wrote_are_not_read_again(tmp_path, reads):
-    """An apply records the hashes of the keys it wrote in the store; the next scan uses them."""
-    pki, state = tmp_path / "pki", tmp_path / "state"
-    (pki / "minions").mkdir(parents=True)
-    app = applier.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
-    pub = gen_keypair(1024)[1]
-    path = str(pki / "minions" / "web1")
-    app.write(path, pub, 0o644, "minion_keys/minions/web1", manifest.key_sha(pub),
-              hasher=manifest.key_sha, cache_path=path)
-    app.commit()
-    got = _scan(pki, state)[1]
-    assert reads == [] and got == _fresh(pki, tmp_path)
-    assert store.Store(str(state)).query("SELECT COUNT(*) FROM hashes") == [(0,)]  # spent
 
 
 def test_keys_state_is_the_scan_of_chosen_ids(pki, tmp_path):

@@ -15,7 +15,7 @@ import random
 
 import pytest
 
-from salt_multimaster import applier, manifest, replicate, rootscan, store
+from salt_multimaster import manifest, replicate, rootscan, store
 from tests.support import store as store_damage
 from tests.support.watcher import FakeWatcher
 
@@ -221,28 +221,6 @@ def test_a_damaged_store_is_rebuilt_by_a_full_scan(tree, tmp_path, how, reads):
     reads.clear()
     assert _read(opts, state) == first and reads
     assert [p.name for p in state.iterdir() if ".damaged-" in p.name]
-
-
-def test_the_files_a_peer_wrote_are_not_read_again(tmp_path, reads):
-    """An apply records the hashes of what it wrote in the store; the next scan uses them."""
-    root = tmp_path / "root"
-    root.mkdir()
-    state = tmp_path / "state"
-    app = applier.Applier({"cachedir": str(tmp_path / "cache")}, str(state), None)
-    for i in range(3):
-        data = f"file {i}".encode()
-        path = str(root / f"f{i}")
-        app.write(path, data, 0o644, f"file_roots/base/f{i}", hashlib.sha256(data).hexdigest(),
-                  cache_path=path)
-    app.commit()
-    assert app.written == []
-    other = str(tmp_path / "Root" / "f0")  # a hash of another tree, byte-wise apart
-    store.record_hashes(str(state), [(other, os.stat(root / "f0"), "0" * 64)])
-    opts = {"file_roots": {"base": [str(root)]}}
-    scan = rootscan.RootsScan(opts, "file_roots", str(state))
-    assert reads == [] and scan.parts == _full(opts, tmp_path)["file_roots"]["parts"]
-    kept = store.read(str(state), lambda saved: saved.query("SELECT path FROM hashes"))
-    assert kept == [(other,)]  # the tree's spent, the other's kept
 
 
 # ----- with the change journal ---------------------------------------------------------------
