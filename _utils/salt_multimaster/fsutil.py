@@ -139,8 +139,10 @@ class Batch:
     :data:`FSYNC_EACH_MAX` files, one ``fsync`` each instead: a ``sync``
     flushes every filesystem of the host, whatever else is writing there).
 
-    ``write`` puts the content in a staging directory beside its destination
-    (``.mm-stage-*``, one per destination directory: creating thousands of
+    ``write`` puts the content in a staging directory of this batch in
+    ``stage_root`` (a directory outside every served tree, such as
+    ``<master cachedir>/multimaster/stage``): ``.mm-stage-<random>``, with
+    one small subdirectory per destination directory (creating thousands of
     files in a directory that already holds thousands, such as a pki_dir
     with 20,000 keys, costs ext4 ten times more than creating them in a
     small one and renaming them in); ``commit`` flushes every staged file to
@@ -150,21 +152,17 @@ class Batch:
     was.  Per-file fsync costs a disk flush per file; a sync of 20,000 keys
     would spend minutes on it.
 
-    ``stage_root`` (a directory outside every served tree, such as
-    ``<master cachedir>/multimaster/stage``): stage there instead, in a
-    directory of this batch (``.mm-stage-<random>``) with one small
-    subdirectory per destination directory, whenever the destination is on
-    the same filesystem; a batch killed before its commit then leaves
-    nothing where Salt serves or reads keys, and :func:`clean_stages`
-    removes what it left at the next batch.  The batch holds an exclusive
-    ``flock`` on ``<its dir>.lock`` while it lives: the kernel drops it when
-    the process dies, which is how a stale batch is told from a live one.
-    A destination on another filesystem is staged beside it, as without
-    ``stage_root``, and that staging dir is named in the batch's journal
+    A batch killed before its commit leaves nothing where Salt serves or
+    reads keys, and :func:`clean_stages` removes what it left at the next
+    batch.  The batch holds an exclusive ``flock`` on ``<its dir>.lock``
+    while it lives: the kernel drops it when the process dies, which is how
+    a stale batch is told from a live one.  A destination on another
+    filesystem (a rename cannot cross filesystems) is staged in a
+    ``.mm-stage-*`` directory beside it, named in the batch's journal
     (``beside``) so that a cleanup removes it too.
     """
 
-    def __init__(self, stage_root=None):
+    def __init__(self, stage_root):
         self.staged = []
         self.removals = []
         self.stages = {}
@@ -197,16 +195,15 @@ class Batch:
     def _stage_dir(self, directory):
         stage = self.stages.get(directory)
         if stage is None:
-            if self.stage_root is not None and self._same_fs(directory):
+            if self._same_fs(directory):
                 stage = os.path.join(self._home(), str(len(self.stages)))
                 os.mkdir(stage, 0o700)
             else:
                 stage = tempfile.mkdtemp(dir=directory, prefix=STAGE_PREFIX)
-                if self.stage_root is not None:
-                    # named in this batch's journal: removed with it if it dies
-                    with open(os.path.join(self._home(), BESIDE_JOURNAL), "a",
-                              encoding="utf-8") as fh:
-                        fh.write(stage + "\n")
+                # named in this batch's journal: removed with it if it dies
+                with open(os.path.join(self._home(), BESIDE_JOURNAL), "a",
+                          encoding="utf-8") as fh:
+                    fh.write(stage + "\n")
             self.stages[directory] = stage
         return stage
 
@@ -280,13 +277,8 @@ class Batch:
         for tmp, _ in self.staged:
             _unlink(tmp)
         self.staged = []
-        for stage in self.stages.values():
-            try:
-                os.rmdir(stage)
-            except OSError:
-                pass
         self.stages = {}
-        if self.home is not None:
+        if self.home is not None:  # its staging dirs, in it and beside destinations
             _remove_beside(self.home)
             shutil.rmtree(self.home, ignore_errors=True)
             _unlink(self.home + ".lock")

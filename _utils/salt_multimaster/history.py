@@ -11,10 +11,8 @@ from salt_multimaster import journal, keyscan, layout, manifest, replicate, stor
 
 log = logging.getLogger(__name__)
 
-#: the meta entries of the key history: its generation (one more at each
-#: change) and the buckets found recorded (:func:`record_history`)
+#: the meta entry of the key history's generation (one more at each change)
 HISTORY = "history"
-RECORDED = "history_recorded"
 
 
 def _ids(state_dir, bucket):
@@ -23,29 +21,25 @@ def _ids(state_dir, bucket):
         state_dir, "SELECT id FROM history WHERE bucket = ?", (bucket,))}
 
 
-def _save(state_dir, changed, recorded):
+def _save(state_dir, changed):
     """
-    Make ``changed`` (``{bucket: ids}``) the ids of those buckets received
-    (the history's generation one more when any), and save ``recorded``
-    (``{bucket: digest}``, :func:`record_history`) at the generation saved,
-    in one flushed transaction: an apply that writes one key reads and
-    writes the ids of its bucket, not the ids of every key.  Lost with a
-    damaged store, the history reads as no id received (a removal on the
-    primary then reads as a conflict here, never as a deletion) until the
-    history record finds the keys equal again.
+    Make ``changed`` (``{bucket: ids}``) the ids of those buckets received,
+    the history's generation one more, in one flushed transaction: an apply
+    that writes one key reads and writes the ids of its bucket, not the ids
+    of every key.  Lost with a damaged store, the history reads as no id
+    received (a removal on the primary then reads as a conflict here, never
+    as a deletion) until the history record finds the keys equal again.
     """
     def write(found):
         generation = found.meta(HISTORY, 0)
-        if changed:
-            generation = (generation if isinstance(generation, int) else 0) + 1
-            for bucket, ids in changed.items():
-                found.db.execute("DELETE FROM history WHERE bucket = ?", (bucket,))
-                found.db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
-                                     [(mid, bucket) for mid in sorted(ids)])
-            found.set_meta(HISTORY, generation)
-        found.set_meta(RECORDED, {"generation": generation, "buckets": recorded})
+        for bucket, ids in changed.items():
+            found.db.execute("DELETE FROM history WHERE bucket = ?", (bucket,))
+            found.db.executemany("INSERT OR REPLACE INTO history VALUES (?, ?)",
+                                 [(mid, bucket) for mid in sorted(ids)])
+        found.set_meta(HISTORY, (generation if isinstance(generation, int) else 0) + 1)
 
-    store.record(state_dir, write, "the ids received")
+    if changed:
+        store.record(state_dir, write, "the ids received")
 
 
 def history_of(state_dir, buckets):
@@ -66,7 +60,6 @@ def update_history(state_dir, ops, report):
     writes the buckets of those ids only.
     """
     written = {op["id"] for op in ops if op["op"] == replicate.WRITE}
-    recorded = _recorded(state_dir)
     added = {r.split("/", 1)[1] for r in report["updated"]}
     dropped = {r.split("/", 1)[1] for r in report["removed"]} - written
     changed = {}
@@ -75,23 +68,7 @@ def update_history(state_dir, ops, report):
         now = (ids | {m for m in added if manifest.bucket_of(m) == bucket}) - dropped
         if now != ids:
             changed[bucket] = now
-    # the buckets of the ids this apply touched are recorded no more
-    touched = {manifest.bucket_of(op["id"]) for op in ops}
-    _save(state_dir, changed, {b: d for b, d in recorded.items() if b not in touched})
-
-
-def _recorded(state_dir):
-    """
-    ``{bucket: digest}`` of the buckets every id of which, at that digest,
-    is in the key history, as the last :func:`record_history` found them
-    (valid at the history's generation it saved them with).
-    """
-    got = store.read(state_dir, lambda found: (found.meta(HISTORY), found.meta(RECORDED)))
-    generation, data = got or (None, None)
-    if not isinstance(data, dict) or data.get("generation", 0) != (generation or 0) \
-            or not isinstance(data.get("buckets"), dict):
-        return {}
-    return data["buckets"]
+    _save(state_dir, changed)
 
 
 def record_history(mopts, state_dir, primary_digest):
@@ -100,24 +77,16 @@ def record_history(mopts, state_dir, primary_digest):
     peer's keys equal the primary's (``primary_digest``: the primary's
     bucket digests) came from the primary.  Stamped in the key scan, so
     the inventory tells the primary whether it is recorded
-    (``history_recorded``).  A bucket recorded at its digest before, and
-    untouched by an apply since, is not read again.
+    (``history_recorded``).
     """
     snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir,
                                 watch=journal.client(layout.state_dir(mopts)))
-    same = [b for b, digest in snap.digest.items() if primary_digest.get(b) == digest]
-    recorded = {b: d for b, d in _recorded(state_dir).items() if snap.digest.get(b) == d}
-    todo = [b for b in same if b not in recorded]
-    if todo:
-        held = {}
-        for keys in manifest.merge(snap.parts, todo).values():
-            for mid in keys:
-                held.setdefault(manifest.bucket_of(mid), set()).add(mid)
-        changed = {}
-        for bucket, ids in held.items():
+    changed = {}
+    for bucket, digest in snap.digest.items():
+        if primary_digest.get(bucket) == digest:
+            ids = {mid for keys in snap.parts.get(bucket, {}).values() for mid in keys}
             known = _ids(state_dir, bucket)
             if not ids <= known:
                 changed[bucket] = known | ids
-        recorded.update({b: snap.digest[b] for b in todo})
-        _save(state_dir, changed, recorded)
+    _save(state_dir, changed)
     snap.remember(history=generation(state_dir))

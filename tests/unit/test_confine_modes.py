@@ -36,7 +36,7 @@ def test_safe_mode_drops_special_bits_and_world_write_only():
 
 
 def test_batch_never_writes_dropped_bits(tmp_path):
-    batch = fsutil.Batch()
+    batch = fsutil.Batch(stage_root=str(tmp_path / "stage"))
     batch.write(str(tmp_path / "suid"), b"x", mode=0o4755)
     batch.write(str(tmp_path / "ww"), b"x", mode=0o666)
     batch.write(str(tmp_path / "key"), b"x", mode=0o400)
@@ -45,7 +45,8 @@ def test_batch_never_writes_dropped_bits(tmp_path):
     assert _mode(tmp_path / "ww") == 0o664
     assert _mode(tmp_path / "key") == 0o400
     with pytest.raises(ValueError):
-        fsutil.Batch().write(str(tmp_path / "bad"), b"x", mode="0644")
+        fsutil.Batch(stage_root=str(tmp_path / "stage")).write(str(tmp_path / "bad"), b"x",
+                                                               mode="0644")
     assert not (tmp_path / "bad").exists()
 
 

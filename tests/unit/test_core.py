@@ -2,13 +2,12 @@
 
 import hashlib
 import os
-import sqlite3
 import stat
 
 import pytest
 
-from salt_multimaster import (fsutil, history, keyscan, manifest, protocol, replicate, rootscan,
-                              seal, store)
+from salt_multimaster import (fsutil, history, keyscan, manifest, peer, protocol, replicate,
+                              rootscan, seal)
 from tests.support.cluster import gen_keypair
 from tests.support.history import received
 
@@ -166,7 +165,7 @@ def test_a_small_batch_flushes_its_files_a_large_one_syncs_once(tmp_path, monkey
         calls.clear()
         dest = tmp_path / str(count)
         dest.mkdir()
-        batch = fsutil.Batch()
+        batch = fsutil.Batch(stage_root=str(tmp_path / "stage"))
         for i in range(count):
             batch.write(str(dest / f"f{i}"), b"data", 0o644)
         batch.commit()
@@ -175,38 +174,42 @@ def test_a_small_batch_flushes_its_files_a_large_one_syncs_once(tmp_path, monkey
 
 
 def test_batch_commits_all_writes_then_removals(tmp_path):
-    keep = tmp_path / "old"
+    root, stage_root = tmp_path / "root", tmp_path / "stage"
+    root.mkdir()
+    keep = root / "old"
     keep.write_text("old")
-    gone = tmp_path / "gone"
+    gone = root / "gone"
     gone.write_text("x")
-    batch = fsutil.Batch()
+    batch = fsutil.Batch(stage_root=str(stage_root))
     batch.write(str(keep), b"new", mode=0o600)
-    batch.write(str(tmp_path / "added"), b"added")
+    batch.write(str(root / "added"), b"added")
     batch.remove(str(gone))
-    assert keep.read_text() == "old" and not (tmp_path / "added").exists() and gone.exists()
-    # staged in one private directory beside the destinations, which the
-    # manifests (and Salt's key listing: a dot entry) never read
-    (stage,) = [p for p in tmp_path.iterdir() if p.name.startswith(".mm-stage-")]
-    assert stat.S_IMODE(stage.stat().st_mode) == 0o700 and len(list(stage.iterdir())) == 2
-    scan = rootscan.RootsScan({"file_roots": {"base": [str(tmp_path)]}}, "file_roots",
-                              str(tmp_path.parent / f"{tmp_path.name}-state"))
+    assert keep.read_text() == "old" and not (root / "added").exists() and gone.exists()
+    # staged in one private directory of the batch, outside the destinations,
+    # which the manifests (and Salt's key listing) never read
+    (stage,) = [p for p in stage_root.iterdir() if p.is_dir()]
+    assert stat.S_IMODE(stage.stat().st_mode) == 0o700
+    assert sum(len(files) for _, _, files in os.walk(stage)) == 2
+    scan = rootscan.RootsScan({"file_roots": {"base": [str(root)]}}, "file_roots",
+                              str(tmp_path / "state"))
     assert manifest.merge(scan.parts, scan.parts) == {"base": {
         "gone": [1, 0o644, hashlib.sha256(b"x").hexdigest()],
         "old": [3, 0o644, hashlib.sha256(b"old").hexdigest()]}}
     batch.commit()
     assert keep.read_text() == "new" and stat.S_IMODE(keep.stat().st_mode) == 0o600
-    assert (tmp_path / "added").read_text() == "added" and not gone.exists()
-    assert [p for p in os.listdir(tmp_path) if p.startswith(".mm-")] == []
+    assert (root / "added").read_text() == "added" and not gone.exists()
+    assert sorted(os.listdir(root)) == ["added", "old"] and os.listdir(stage_root) == []
 
 
 def test_batch_abort_leaves_destinations_alone(tmp_path):
     dest = tmp_path / "k"
     dest.write_text("before")
-    batch = fsutil.Batch()
+    batch = fsutil.Batch(stage_root=str(tmp_path / "stage"))
     batch.write(str(dest), b"after")
     batch.abort()
     assert dest.read_text() == "before"
-    assert os.listdir(tmp_path) == ["k"]
+    assert os.listdir(tmp_path / "stage") == []
+    assert sorted(os.listdir(tmp_path)) == ["k", "stage"]
 
 
 def test_batch_failed_rename_removes_nothing(tmp_path):
@@ -214,7 +217,7 @@ def test_batch_failed_rename_removes_nothing(tmp_path):
     (tmp_path / "pre" / "m1").write_text("pub")
     (tmp_path / "acc").mkdir()
     (tmp_path / "acc" / "m1").mkdir()  # a directory where the key goes: the rename fails
-    batch = fsutil.Batch()
+    batch = fsutil.Batch(stage_root=str(tmp_path / "stage"))
     batch.write(str(tmp_path / "acc" / "m1"), b"pub")
     batch.remove(str(tmp_path / "pre" / "m1"))
     with pytest.raises(OSError):
@@ -222,7 +225,7 @@ def test_batch_failed_rename_removes_nothing(tmp_path):
     # the move did not happen by half: the key is still pending, nothing staged is left
     assert (tmp_path / "pre" / "m1").read_text() == "pub"
     assert os.listdir(tmp_path / "acc") == ["m1"] and (tmp_path / "acc" / "m1").is_dir()
-    assert batch.staged == [] and batch.removals == []
+    assert batch.staged == [] and batch.removals == [] and os.listdir(tmp_path / "stage") == []
 
 
 def test_buckets_exchange_only_what_changed():
@@ -276,12 +279,13 @@ def test_bucket_digests_stay_those_of_protocol_1():
     assert manifest.bucket_of("web1") == str(hashlib.sha1(b"web1").digest()[0] % 64)
 
 
-def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_digest(
-        tmp_path, monkeypatch):
+def test_the_key_history_record_takes_the_ids_of_the_buckets_equal_to_the_primarys(
+        tmp_path):
     """
     history.record_history: every id of a bucket equal to the primary's is in
-    the key history; a bucket recorded at its digest, untouched by an apply
-    and with the history unchanged since (its generation), is not read again.
+    the key history, none of a bucket that differs; a record that finds
+    nothing new writes nothing (the history's generation unchanged), and
+    the key scan is stamped with the generation found (``history_recorded``).
     """
     pki, state = tmp_path / "pki", str(tmp_path / "state")
     (pki / "minions").mkdir(parents=True)
@@ -289,32 +293,24 @@ def test_the_key_history_record_reads_only_the_buckets_not_recorded_at_their_dig
     for i in range(40):
         (pki / "minions" / f"m{i}").write_bytes(pub)
     mopts = {"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")}
-    asked = []
-    real = manifest.merge
-    monkeypatch.setattr(manifest, "merge", lambda parts, buckets: asked.append(sorted(buckets))
-                        or real(parts, buckets))
 
-    def record():
-        asked.clear()
+    def record(primary=None):
         digest = keyscan.KeysSnapshot(str(pki), state).digest  # the primary's, the same keys
-        history.record_history(mopts, state, digest)
-        return asked[0] if asked else []
+        history.record_history(mopts, state, primary or digest)
+        return history.generation(state)
 
-    every = sorted(keyscan.KeysSnapshot(str(pki), state).digest)
-    assert record() == every
+    first = record()
     assert received(state) == sorted(f"m{i}" for i in range(40))
-    assert record() == []  # all recorded
-    new = next(f"n{i}" for i in range(1000) if manifest.bucket_of(f"n{i}") in every)
-    (pki / "minions" / new).write_bytes(pub)
-    assert record() == [manifest.bucket_of(new)] and new in received(state)
-    # an apply that removed m3 (so the history lost it) and then wrote it back
-    # unchanged elsewhere: its bucket is read again
+    assert record() == first  # nothing new: nothing written
+    assert peer.keys_inventory(mopts, state, {})["history_recorded"] is True
+    # a key the primary does not hold (its bucket differs): not received
+    (pki / "minions" / "odd").write_bytes(pub)
+    held = keyscan.KeysSnapshot(str(pki), state).digest
+    primary = dict(held, **{manifest.bucket_of("odd"): "another digest"})
+    assert record(primary) == first and "odd" not in received(state)
+    # an apply that removed m3 (so the history lost it) and then wrote it
+    # back unchanged elsewhere: the record finds it again
     history.update_history(state, [{"op": "remove", "state": "minions", "id": "m3"}],
                            {"updated": [], "removed": ["minions/m3"]})
     assert "m3" not in received(state)
-    assert record() == [manifest.bucket_of("m3")] and "m3" in received(state)
-    # the history rewritten by anyone else (another generation than the
-    # one the record was found at): every bucket is checked again
-    with sqlite3.connect(os.path.join(state, store.NAME)) as db:
-        db.execute("UPDATE meta SET value = '99' WHERE name = ?", (history.HISTORY,))
-    assert record() == every and len(received(state)) == 41
+    assert record() == first + 2 and "m3" in received(state) and "odd" in received(state)
