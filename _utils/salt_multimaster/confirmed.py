@@ -70,7 +70,6 @@ class Record:
         self.digest = dict(state_store.select(
             state_dir, "SELECT bucket, digest FROM confirmed WHERE cat = ?", (cat,)))
         self.changed = {}
-        self._parts = {}
 
     def part(self, bucket):
         """The recorded part of ``bucket`` (``{}``: recorded empty); None: not recorded."""
@@ -78,22 +77,20 @@ class Record:
             return self.changed[bucket]
         if bucket not in self.digest:
             return None
-        if bucket not in self._parts:
-            rows = state_store.select(
-                self.state_dir, "SELECT part FROM confirmed WHERE cat = ? AND bucket = ?",
-                (self.cat, bucket))
-            self._parts[bucket] = _load(rows[0][0]) if rows else None
-        return self._parts[bucket]
+        rows = state_store.select(
+            self.state_dir, "SELECT part FROM confirmed WHERE cat = ? AND bucket = ?",
+            (self.cat, bucket))
+        return _load(rows[0][0]) if rows else None
 
     def set(self, bucket, part, digest=None):
         """
         Record ``part`` for ``bucket`` (``digest``: its :func:`part_digest`,
-        when known); nothing written when it is recorded so already.
+        when known); nothing written when it is recorded so already (and
+        readable).
         """
         part = {outer: dict(inner) for outer, inner in part.items() if inner}
         digest = part_digest(part) if digest is None else digest
-        if self.digest.get(bucket) != digest or (
-                bucket in self._parts and self._parts[bucket] is None):
+        if self.digest.get(bucket) != digest or self.part(bucket) is None:
             self.changed[bucket] = part
 
     def drop(self, bucket):
@@ -102,7 +99,7 @@ class Record:
             self.changed[bucket] = None
 
     def save(self):
-        """Write the changed buckets, in one flushed transaction."""
+        """Write the changed buckets, in one flushed transaction (the record is spent)."""
         if not self.changed:
             return
         # (bucket, digest, part JSON); None: the bucket deleted
@@ -120,13 +117,6 @@ class Record:
                                      (self.cat, bucket, digest, text))
 
         state_store.record(self.state_dir, write, f"the {self.cat} confirmed")
-        for bucket, digest, _text in rows:
-            if digest is None:
-                self.digest.pop(bucket, None)
-            else:
-                self.digest[bucket] = digest
-        self._parts.update(self.changed)
-        self.changed = {}
 
 
 def changed_items(current, base):
@@ -250,12 +240,14 @@ def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, k
             continue
         if primary_digest is not None and before is None:
             rec.drop(bucket)
-        elif rec.part(bucket) is not None and keys_now is not None:
+            continue
+        base = rec.part(bucket)
+        if base is not None and keys_now is not None:
             # every key of an id written: what the peer holds of it now
             ids = {name for _outer, name, _value in items}
-            rec.set(bucket, _with_ids(rec.part(bucket), ids, keys_now(ids)))
-        elif rec.part(bucket) is not None:
-            rec.set(bucket, _with(rec.part(bucket), items))
+            rec.set(bucket, _with_ids(base, ids, keys_now(ids)))
+        elif base is not None:
+            rec.set(bucket, _with(base, items))
     rec.save()
 
 

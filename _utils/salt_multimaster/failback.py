@@ -90,8 +90,8 @@ def plan(ops, peer, categories):
     """
     conf = dict(ops.conf, peers=[peer])
     planner = rounds.Rounds(ops.opts, conf, ops.salt, test=True)
-    primary = planner.read_primary(categories)
-    inv, error = planner.ask([peer], categories, core.current_digests(primary, categories))[peer]
+    primary, invs = planner.inventories(categories, [peer])
+    inv, error = invs[peer]
     if error:
         return None, error
     found = []

@@ -74,13 +74,9 @@ def key_sha_file(path):
 BUCKETS = 64
 
 
-_BUCKET_NAMES = [str(b) for b in range(256)]
-
-
 def bucket_of(name):
     """The bucket (a string) a key id or a roots path falls in."""
-    return _BUCKET_NAMES[hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0]
-                         % BUCKETS]
+    return str(hashlib.sha1(name.encode("utf-8", "surrogateescape")).digest()[0] % BUCKETS)
 
 
 def split(cat, man):

@@ -11,10 +11,6 @@ from salt_multimaster import layout, outage, protocol, replicate
 from salt_multimaster import store as state_store
 
 
-def _memory_name(peer):
-    return f"peer:{peer}"
-
-
 def _valid_memory(held):
     """Whether a peer's memory has the shape :func:`remember` saves."""
     return isinstance(held, dict) and all(
@@ -27,7 +23,7 @@ def _memory(opts, peer):
     """What ``peer`` was last confirmed to hold, as saved: a dict, maybe empty."""
     # none, or damaged: nothing known, the peer is asked (a second round)
     held = state_store.read(layout.state_dir(opts),
-                            lambda found: found.meta(_memory_name(peer)))
+                            lambda found: found.meta(f"peer:{peer}"))
     return held if _valid_memory(held) else {}
 
 
@@ -66,7 +62,7 @@ def remember(opts, peer, categories, primary, inv, ret):
             held[cat] = dict(entry["manifest"])
     # a stale or lost record costs a second round: the apply is conditional on it
     state_store.record(layout.state_dir(opts),
-                       lambda found: found.set_meta(_memory_name(peer), held),
+                       lambda found: found.set_meta(f"peer:{peer}", held),
                        f"what {peer} holds", durable=False)
 
 

@@ -65,6 +65,16 @@ def _category_lines(res, test, verbose):
     return lines
 
 
+def replicas(ret):
+    """
+    Whether a sync's return (``{peer: result, "retcode": n}``) says every
+    peer is a replica after it: a report per peer, none failed; a sync
+    refused as a whole (``{"result": False, "error": ...}``) is not.
+    """
+    return isinstance(ret, dict) and bool(ret) and not ret.get("retcode") and all(
+        isinstance(res, dict) and res.get("result") is not False for res in ret.values())
+
+
 def sync_rows(ret, test=False, verbose=False):
     """The rows of a sync's return (``{peer: result, "retcode": n}``)."""
     rows = {}
@@ -109,7 +119,7 @@ def sync_rows(ret, test=False, verbose=False):
     return rows
 
 
-def status_rows(ret, verbose=False):  # pylint: disable=unused-argument
+def status_rows(ret):
     """The rows of a status return (``{peer: status, "retcode": n}``)."""
     rows = {}
     for peer, res in ret.items():

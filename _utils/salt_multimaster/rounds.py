@@ -80,19 +80,16 @@ class Rounds:
                                  conf.get("topology"))
 
     # ----- asking the peers ------------------------------------------------
-    def read_primary(self, categories):
-        conf = self.conf
-        return core.read_primary(self.opts, categories, conf["topology"],
-                                 conf["master_config_keys"], conf["rescan"], keep=not self.test)
-
-    def ask(self, peers, categories, digests):
+    def ask(self, peers, categories, primary):
         """
-        Every peer's inventory of ``categories`` against ``digests``:
-        ``{peer: (reply, error)}``, one progress line now and then.
+        Every peer's inventory of ``categories`` against the digests of
+        ``primary`` (:meth:`inventories`): ``{peer: (reply, error)}``, one
+        progress line now and then.
         """
         conf = self.conf
         request = protocol.request(
-            "multimaster_peer.inventory", categories=categories, digests=digests,
+            "multimaster_peer.inventory", categories=categories,
+            digests=core.current_digests(primary, categories),
             topology=conf["topology"], config_keys=conf["master_config_keys"],
             rescan=conf["rescan"] or None, epoch=self.claim)
         names = ", ".join(peers)
@@ -109,10 +106,13 @@ class Rounds:
         each of ``peers``, asked with the digests of that state: a peer in
         step answers with digests only.
         """
-        primary = self.read_primary(categories)
+        conf = self.conf
+        primary = core.read_primary(self.opts, categories, conf["topology"],
+                                    conf["master_config_keys"], conf["rescan"],
+                                    keep=not self.test)
         if not peers:
             return primary, {}
-        return primary, self.ask(peers, categories, core.current_digests(primary, categories))
+        return primary, self.ask(peers, categories, primary)
 
     # ----- applying ----------------------------------------------------------
     def apply(self, peer, ops, primary, how, keys_digest, expect, confirm):
@@ -239,8 +239,7 @@ class Rounds:
         # at most three rounds: the condition, the peer's answer, its inventory
         while True:
             if inv is None:
-                inv, error = asked or self.ask([peer], categories, core.current_digests(
-                    primary, categories))[peer]
+                inv, error = asked or self.ask([peer], categories, primary)[peer]
                 if error:
                     return Outcome("report", {"result": False, "error": error})
                 expect = None
