@@ -35,7 +35,7 @@ import logging
 
 import salt.runner
 
-from salt_multimaster import inotify, journal, layout, trigger, watch
+from salt_multimaster import inotify, journal, layout, report, trigger, watch
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,7 @@ def _sync(opts):
     def sync(categories):
         ret = client.cmd("multimaster.sync", kwarg={"only": ",".join(categories)},
                          print_event=False)
-        ok = isinstance(ret, dict) and bool(ret) and not ret.get("retcode") and all(
-            isinstance(report, dict) and report.get("result") is not False
-            for report in ret.values())
+        ok = report.replicas(ret)
         if not ok:
             log.warning("multimaster_watch: sync of %s: %s", ", ".join(categories), ret)
         return ok

@@ -68,6 +68,13 @@ def _valid_event_id(minion_id):
     return validate.event_minion_id(minion_id)
 
 
+def _replicas(ret):
+    """Whether a sync's return says every peer is a replica (``salt_multimaster.report``)."""
+    from salt_multimaster import report  # pylint: disable=import-outside-toplevel
+
+    return report.replicas(ret)
+
+
 def _regular(path):
     """``path``, what stands there that is no regular file moved aside (a damaged state file)."""
     from salt_multimaster import statefile  # pylint: disable=import-outside-toplevel
@@ -77,69 +84,59 @@ def _regular(path):
     return path
 
 
-class _Queue:
-    """Minion ids waiting for a key sync, in a file shared by reactor threads and processes."""
+def _locked(queue):
+    """The lock of the queue file ``queue`` (``<queue>.lock``), held until closed."""
+    # pylint: disable-next=consider-using-with
+    fh = open(_regular(queue + ".lock"), "a", encoding="utf-8")
+    fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+    return fh
 
-    def __init__(self, state_dir):
-        self.path = os.path.join(state_dir, "key-sync.pending")
-        self.lock_path = os.path.join(state_dir, "key-sync.pending.lock")
 
-    def _locked(self):
-        # pylint: disable-next=consider-using-with
-        fh = open(_regular(self.lock_path), "a", encoding="utf-8")
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        return fh
+def _put(queue, ids):
+    """Queue minion ids in ``queue``, a file shared by reactor threads and processes."""
+    with _locked(queue):
+        with open(_regular(queue), "a", encoding="utf-8") as fh:
+            fh.write("".join(f"{mid}\n" for mid in ids))
 
-    def put(self, ids):
-        with self._locked():
-            with open(_regular(self.path), "a", encoding="utf-8") as fh:
-                fh.write("".join(f"{mid}\n" for mid in ids))
 
-    def take(self):
-        """
-        Every queued id (``*``: all keys), emptying the queue; None when
-        empty.  A damaged queue (not a file, not text, an id no key event
-        gives) is taken as every key: what it held is not known.
-        """
-        from salt_multimaster import statefile  # pylint: disable=import-outside-toplevel
+def _take(queue):
+    """
+    Every id queued in ``queue`` (``*``: all keys), emptying it; None when
+    empty.  A damaged queue (not a file, not text, an id no key event
+    gives) is taken as every key: what it held is not known.
+    """
+    from salt_multimaster import statefile  # pylint: disable=import-outside-toplevel
 
-        with self._locked():
-            try:
-                data = statefile.read_bytes(self.path)
-                ids = {line.strip() for line in data.decode("utf-8").splitlines()
-                       if line.strip()} if data is not None else None
-                if ids is not None and not all(mid == ALL or _valid_event_id(mid)
-                                               for mid in ids):
-                    raise statefile.Damaged(self.path, "not a list of minion ids")
-            except (statefile.Damaged, UnicodeDecodeError) as exc:
-                statefile.notice(self.path, getattr(exc, "why", "not UTF-8"),
-                                 "every key is synced")
-                ids = {ALL}
-            if ids is None:
-                return None
-            statefile.remove(self.path)
-        return ids
-
-    def pending(self):
-        return os.path.exists(self.path)
+    with _locked(queue):
+        try:
+            data = statefile.read_bytes(queue)
+            ids = {line.strip() for line in data.decode("utf-8").splitlines()
+                   if line.strip()} if data is not None else None
+            if ids is not None and not all(mid == ALL or _valid_event_id(mid) for mid in ids):
+                raise statefile.Damaged(queue, "not a list of minion ids")
+        except (statefile.Damaged, UnicodeDecodeError) as exc:
+            statefile.notice(queue, getattr(exc, "why", "not UTF-8"), "every key is synced")
+            ids = {ALL}
+        if ids is None:
+            return None
+        statefile.remove(queue)
+    return ids
 
 
 # A burst (salt-key -A: Salt's reactor starts about 8 key_event calls a
 # second) is covered by the first sync and one more, taken once the events
-# have stopped for QUIET seconds (at most MAX_WAIT after the first sync).
-# With 1 s, a salt-key -A of 60 keys once cost three syncs on a loaded
-# Salt 3007 master (CI, two test workers; its log was not kept, so a
-# retried sync is not ruled out): 3 s leaves room for a longer gap.
+# have stopped for QUIET seconds (at most MAX_WAIT after the first sync):
+# 3 s, as a loaded master's reactor can pause over a second within a burst.
 QUIET = 3.0
 MAX_WAIT = 60.0
 
 
 def _settle(queue, quiet, max_wait):
-    """Wait until no event was queued for ``quiet`` seconds, at most ``max_wait``."""
+    """Wait until no event was queued in ``queue`` for ``quiet`` seconds, at most ``max_wait``."""
     end = time.time() + max_wait
     while time.time() < end:
         try:
-            idle = time.time() - os.stat(queue.path).st_mtime
+            idle = time.time() - os.stat(queue).st_mtime
         except FileNotFoundError:
             return
         if idle >= quiet:
@@ -218,12 +215,12 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
     from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
 
     state_dir = layout.state_dir(__opts__)
-    queue = _Queue(state_dir)
+    queue = os.path.join(state_dir, "key-sync.pending")
     lock_path = os.path.join(state_dir, "key-sync.lock")
     # Queue first, lock second: a running sync that has not yet taken the
     # queue will see this id, and one that already released the lock is
     # re-checked below.
-    queue.put([str(minion_id) if minion_id is not None else ALL])
+    _put(queue, [str(minion_id) if minion_id is not None else ALL])
     syncs, last, result, failures = 0, None, True, 0
     while True:
         with open(_regular(lock_path), "a", encoding="utf-8") as lock:
@@ -233,12 +230,12 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                 log.debug("multimaster: key sync running; %s %s queued", act, minion_id)
                 return {"queued": True, "syncs": syncs, "result": result, "last": last}
             try:
-                while queue.pending() and syncs < max_rounds:
+                while os.path.exists(queue) and syncs < max_rounds:
                     if window:
                         time.sleep(float(window))
                     if syncs:
                         _settle(queue, quiet, max_wait)
-                    ids = queue.take()
+                    ids = _take(queue)
                     if not ids:
                         break
                     log.info("multimaster: key event %s %s: syncing the keys of %s",
@@ -248,11 +245,7 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                         minion_ids=None if ALL in ids else sorted(ids),
                     )
                     syncs += 1
-                    ok = isinstance(last, dict) and all(
-                        not isinstance(v, dict) or v.get("result", True) is not False
-                        for v in last.values()
-                    )
-                    if ok:
+                    if _replicas(last):
                         failures = 0
                         continue
                     failures += 1
@@ -262,10 +255,10 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
                         result = False
                         failures = 0
                         continue
-                    queue.put(ids)
+                    _put(queue, ids)
                     time.sleep(float(retry_delay) * 2 ** (failures - 1))
             finally:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-        if not queue.pending() or syncs >= max_rounds:
+        if not os.path.exists(queue) or syncs >= max_rounds:
             break
     return {"queued": False, "syncs": syncs, "result": result, "last": last}

@@ -299,11 +299,11 @@ class MasterRestart:
 
     @property
     def possible(self):
-        """Whether a command can restart the master here (the service manager asked once)."""
-        if self._possible is None:
-            self._possible = impossible(self.cmd, "salt-master", which=self.which,
-                                        service_available=self.service_available()) is None
-        return self._possible
+        """Whether a command can restart the master here (the default one: the service manager)."""
+        if self._possible is not None:
+            return self._possible
+        return impossible(self.cmd, "salt-master", which=self.which,
+                          service_available=self.service_available()) is None
 
     def why_refused(self, host=None):
         """The error of a write refused because of :attr:`refused` (None when not refused)."""

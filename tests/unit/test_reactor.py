@@ -72,6 +72,10 @@ def test_peers_as_comma_string():
 # ---------------------------------------------------------------------------
 # multimaster_reactor.key_event
 # ---------------------------------------------------------------------------
+#: the return of a sync after which the one peer is a replica
+REPLICA = {"m02": {"result": True}}
+
+
 def _runner(tmp_path, sync):
     spec = importlib.util.spec_from_file_location(
         "mm_test_runner_reactor", str(REPO / "_runners" / "multimaster_reactor.py")
@@ -116,6 +120,21 @@ def test_key_event_retries_a_transient_failure(tmp_path):
     assert calls == [["a"], ["a"]]  # the retry covers the same key
 
 
+def test_key_event_retries_a_sync_failed_as_a_whole(tmp_path):
+    """
+    A sync that failed as a whole (what it raised, answered by the runner's
+    guard: no report per peer) leaves no peer confirmed: tried again.
+    """
+    failed = {"result": False, "error": "multimaster.sync: OSError: [Errno 5] Input/output error",
+              "retcode": 1}
+    answers = iter([failed, REPLICA])
+    calls = []
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or next(answers))
+    ret = mod.key_event(act="accepted", minion_id="a", window=0, retry_delay=0, quiet=0)
+    assert ret == {"queued": False, "syncs": 2, "result": True, "last": REPLICA}
+    assert calls == [["a"], ["a"]]
+
+
 def test_key_event_burst_is_coalesced(tmp_path):
     """20 events while a sync runs: queued, and covered by one more sync."""
     started, release = threading.Event(), threading.Event()
@@ -155,7 +174,7 @@ def test_key_event_event_after_release_is_not_lost(tmp_path):
         if len(calls) == 1:
             # an event arrives during this sync: it marks dirty, lock is busy
             assert mod.key_event(act="accepted", minion_id="b", window=0)["queued"] is True
-        return {}
+        return REPLICA
 
     mod.__salt__["multimaster.sync"] = sync
     ret = mod.key_event(act="accepted", minion_id="a", window=0, quiet=0)
@@ -203,7 +222,7 @@ def _clocked_runner(tmp_path, events, opts=None):
     def sync(only, minion_ids):
         syncs.append((clock.now, minion_ids))
         clock.sleep(SYNC_SECONDS)
-        return {}
+        return REPLICA
 
     mod = _runner(tmp_path, sync)
     mod.__opts__.update(opts or {})
@@ -216,7 +235,7 @@ def test_key_event_window_delays_the_sync_to_cover_the_burst(tmp_path):
     mod, clock, syncs = _clocked_runner(tmp_path, [(1000.2, "b"), (1000.4, "c"), (1000.9, "d")])
     with patch.object(mod, "time", clock):
         ret = mod.key_event(act="accepted", minion_id="a", window=0.5)
-    assert ret == {"queued": False, "syncs": 2, "result": True, "last": {}}
+    assert ret == {"queued": False, "syncs": 2, "result": True, "last": REPLICA}
     # a, b and c in the first sync, after the window; d, which came during
     # that sync, in a second one
     assert syncs == [(1000.5, ["a", "b", "c"]), (syncs[1][0], ["d"])]
@@ -268,7 +287,7 @@ def test_key_event_max_wait_bounds_a_never_ending_burst(tmp_path):
 def test_key_event_drops_invalid_ids(tmp_path, mid):
     """A pending key named ``x\\n*`` must not queue ``*`` (every key): logged and dropped."""
     calls = []
-    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or REPLICA)
     assert mod.key_event(act="pending", minion_id=mid, window=0) == {
         "ignored": f"invalid minion id {mid!r}", "result": False, "retcode": 1}
     assert calls == []
@@ -280,7 +299,7 @@ def test_key_event_drops_invalid_ids(tmp_path, mid):
 
 def test_key_event_numeric_id(tmp_path):
     calls = []
-    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or {})
+    mod = _runner(tmp_path, lambda only, minion_ids: calls.append(minion_ids) or REPLICA)
     assert mod.key_event(act="accepted", minion_id=1234, window=0)["syncs"] == 1
     assert calls == [["1234"]]
 
