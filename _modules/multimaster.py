@@ -300,10 +300,6 @@ def minion_config_apply(masters=None, name=None, **settings):
     return ret
 
 
-def _topology(topology):
-    return topology or _pillar().get("topology") or "shared"
-
-
 @_public()
 def master_key_path(name=None, topology=None):
     """
@@ -322,13 +318,13 @@ def master_key_path(name=None, topology=None):
 
         salt '*' multimaster.master_key_path topology=signed
     """
-    return conf_core.trusted_key_path(__opts__, _topology(topology), name)
+    return conf_core.trusted_key_path(__opts__, _expected(topology, "topology") or "shared", name)
 
 
 def _key_args(name, contents, source, master_finger, topology, saltenv):
     """The key arguments with the pillar's defaults, for the core's key_check/key_apply."""
     pillar = _pillar()
-    topology = _topology(topology)
+    topology = _expected(topology, "topology") or "shared"
     if master_finger is None:
         master_finger = pillar.get("master_finger")
     if contents is None and not source:
@@ -487,10 +483,8 @@ def restart_minion(cmd=None, delay=None, service="salt-minion", test=False):
         delay = validate.delay("delay", restart.DEFAULT_DELAY if delay is None else delay)
     except validate.InvalidInput as exc:
         raise SaltInvocationError(str(exc)) from None
-    available = None
-    if cmd.strip() == restart.default_cmd(service):
-        available = restart.service_available(__salt__, service)
-    reason = restart.impossible(cmd, service, service_available=available)
+    reason = restart.impossible(
+        cmd, service, service_available=restart.service_available(__salt__, service))
     if salt.utils.data.is_true(test):
         return {"scheduled": False, "possible": reason is None, "reason": reason, "cmd": cmd}
     if reason:

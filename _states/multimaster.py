@@ -172,8 +172,7 @@ def _schedule_restart(ret, restart, restart_cmd, restart_delay, service="salt-mi
         return
     try:
         sched = __salt__["multimaster.restart_minion"](
-            cmd=restart_cmd, delay=restart_delay, **({} if service == "salt-minion"
-                                                     else {"service": service}))
+            cmd=restart_cmd, delay=restart_delay, service=service)
     except (CommandExecutionError, SaltInvocationError) as exc:
         _restart_failed(ret, service, str(exc))
         return

@@ -22,7 +22,6 @@ import time
 import salt.version
 
 from salt_multimaster import checks, finger
-from salt_multimaster.layout import TOPOLOGIES
 from salt_multimaster.masters import (
     DEFAULT_MASTER_PORT,
     DEFAULT_PUBLISH_PORT,
@@ -61,7 +60,7 @@ def _root_id(path):
     return (st.st_dev, st.st_ino)
 
 
-def list_processes(proc="/proc"):
+def list_processes():
     """
     ``[(pid, ppid, argv, cwd)]`` for every process readable under /proc that
     shares this process's root directory (a minion in a container seen from
@@ -69,27 +68,27 @@ def list_processes(proc="/proc"):
     """
     ret = []
     try:
-        pids = [int(p) for p in os.listdir(proc) if p.isdigit()]
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
         return ret
-    own_root = _root_id(os.path.join(proc, "self", "root")) or _root_id("/")
+    own_root = _root_id("/")
     for pid in pids:
-        root = _root_id(os.path.join(proc, str(pid), "root"))
-        if root is not None and own_root is not None and root != own_root:
+        root = _root_id(f"/proc/{pid}/root")
+        if root is not None and root != own_root:
             continue
         try:
-            with open(os.path.join(proc, str(pid), "cmdline"), "rb") as fh:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 raw = fh.read()
             if not raw:
                 continue
-            with open(os.path.join(proc, str(pid), "stat"), "rb") as fh:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
                 stat = fh.read().decode("utf-8", "replace")
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
         argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
         try:
-            cwd = os.readlink(os.path.join(proc, str(pid), "cwd"))
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             cwd = "/"
         ret.append((pid, ppid, argv, cwd))
@@ -164,13 +163,6 @@ def check_duplicate_minion_process(conf_file, processes):
 # ---------------------------------------------------------------------------
 # restart_pending: the running minion vs its config files
 # ---------------------------------------------------------------------------
-# What a salt-minion reads only when it starts: the settings the formula's
-# drop-in manages (minion_config.SETTINGS).  publish_port and master_port are
-# left out: a running minion takes them from its master's reply and from
-# "host:port" master entries.
-RESTART_COMPARED = tuple(SETTINGS)
-
-
 def _running_masters(running, default_port):
     """
     ``(entries, complete)``: the masters the running minion was started with,
@@ -179,10 +171,9 @@ def _running_masters(running, default_port):
     master and a job sees only the master it came from: that one entry,
     ``complete`` False.
     """
-    for key in ("master_list", "local_masters"):
-        value = running.get(key)
-        if isinstance(value, (list, tuple)) and value:
-            return [parse_lenient(m, default_port)[0] for m in master_entries(value)], True
+    value = running.get("master_list")
+    if isinstance(value, (list, tuple)) and value:
+        return [parse_lenient(m, default_port)[0] for m in master_entries(value)], True
     entries = master_entries(running.get("master"))
     complete = not running.get("multimaster")
     return [parse_lenient(m, default_port)[0] for m in entries], complete
@@ -196,7 +187,8 @@ def check_restart_pending(running, files, restart_status=None):
     differs was changed on disk after the minion started, and the minion
     keeps using the old value until it restarts.
 
-    Compared: the settings in :data:`RESTART_COMPARED`, and the master list:
+    Compared: the settings in :data:`salt_multimaster.minion_config.SETTINGS`
+    (those the formula's drop-in manages), and the master list:
     a failover minion's whole list (``master_list``, in order unless
     random_master shuffled it); a
     multi-master minion's job only knows the master it came from
@@ -225,7 +217,10 @@ def check_restart_pending(running, files, restart_status=None):
     if not cli or running.get("caller") or "call" in cli:
         return []
     differ = []
-    for key in RESTART_COMPARED:
+    # what a salt-minion reads only when it starts: the settings the formula's
+    # drop-in manages.  publish_port and master_port are left out: a running
+    # minion takes them from its master's reply and from "host:port" entries.
+    for key in SETTINGS:
         if key in running and key in files and running[key] != files[key]:
             differ.append(f"{key} (running {running[key]!r}, files {files[key]!r})")
     default_port = checks.as_int(files.get("master_port"), DEFAULT_MASTER_PORT)
@@ -264,7 +259,6 @@ def run_audit(
     expected_finger=None,
     master_versions=None,
     topology="shared",
-    minion_version=None,
     timeout=1.0,
     processes=None,
     resolver=None,
@@ -280,11 +274,7 @@ def run_audit(
     that check.
     """
     started = time.monotonic()
-    if topology not in TOPOLOGIES:
-        raise ValueError(
-            "topology must be one of {}, not {!r}".format(", ".join(TOPOLOGIES), topology)
-        )
-    minion_version = minion_version or salt.version.__version__
+    minion_version = salt.version.__version__
     masters = master_entries(opts.get("master"))
     default_port = checks.as_int(opts.get("master_port"), DEFAULT_MASTER_PORT)
     hosts = [parsed[0] for (parsed, error) in (

@@ -21,13 +21,13 @@ testable without daemons.
 import concurrent.futures
 import socket
 
-import salt.config
 import salt.version
 
 from salt_multimaster import finger
 from salt_multimaster.masters import (
     DEFAULT_MASTER_PORT,
     DEFAULT_PUBLISH_PORT,
+    as_int,
     group,
     parse_lenient,
     same,
@@ -39,8 +39,6 @@ SEVERITIES = ("error", "warning", "info")
 
 def finding(check, severity, message, remedy):
     """Build one finding."""
-    if severity not in SEVERITIES:
-        raise ValueError(f"unknown severity {severity!r}")
     return {"check": check, "severity": severity, "message": message, "remedy": remedy}
 
 
@@ -245,7 +243,7 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
             )
         ]
     if finger.normalize(actual_finger) != finger.normalize(expected_finger) and not (
-        finger.file_matches(path, expected_finger)
+        finger.matches(finger.read_key(path), expected_finger)
     ):
         if topology == "signed":
             remedy = (
@@ -272,13 +270,6 @@ def check_master_pubkey(path, actual_finger, expected_finger, topology="shared")
             )
         ]
     return []
-
-
-def as_int(value, default=0):
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
 
 
 def check_master_alive_interval(opts, masters):
@@ -362,32 +353,22 @@ def check_failover_settings(opts, masters, sign_key_present):
     return ret
 
 
-def ports_list_supported(key):
-    """
-    Whether the running Salt accepts a list for ``key``: Salt 3008 types
-    tcp_pub_port/tcp_pull_port as one int and cannot start with a list.
-    """
-    valid = salt.config.VALID_OPTS.get(key)
-    types = valid if isinstance(valid, tuple) else (valid,)
-    return any(t in (list, tuple) for t in types if isinstance(t, type))
-
-
-def check_ipc_tcp_ports(opts, masters, list_supported=None):
+def check_ipc_tcp_ports(opts, masters):
     """
     ipc_tcp_ports: with ipc_mode tcp, per-master tcp_pub_port/tcp_pull_port
-    lists must have one port per master and never repeat a port.
-    ``list_supported(key)`` tells whether this Salt takes a list for ``key``.
+    lists must have one port per master and never repeat a port, and every
+    supported Salt (3006 to 3008) reads one port for each option: a list
+    keeps salt-minion from starting.
     """
     if opts.get("ipc_mode") != "tcp":
         return []
-    list_supported = list_supported or ports_list_supported
     ret = []
     seen = {}
     for key in ("tcp_pub_port", "tcp_pull_port"):
         value = opts.get(key)
         ports = list(value) if isinstance(value, (list, tuple)) else [value]
         ports = [p for p in ports if p is not None]
-        if isinstance(value, (list, tuple)) and not list_supported(key):
+        if isinstance(value, (list, tuple)):
             ret.append(
                 finding(
                     "ipc_tcp_ports",

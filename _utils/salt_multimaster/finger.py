@@ -48,8 +48,14 @@ def _colons(digest):
     return ":".join(digest[i:i + 2] for i in range(0, len(digest), 2))
 
 
-def _pem_lines(text):
-    return [line.strip() for line in str(text).replace("\r\n", "\n").split("\n") if line.strip()]
+def normalize_pem(text):
+    """
+    A PEM key's text with normalised line ends and one final newline (blank
+    lines and the blanks around each line dropped): how Salt 3008 writes and
+    reads a key file, and how a trusted key is compared and written.
+    """
+    lines = [line.strip() for line in str(text).replace("\r\n", "\n").split("\n")]
+    return "\n".join(line for line in lines if line) + "\n"
 
 
 def body_finger(text, sum_type="sha256"):
@@ -67,18 +73,8 @@ def text_finger(text, sum_type="sha256"):
     Salt 3008 ``salt-key -F``: the hash of the whole PEM text (header, body,
     footer, one final newline), as Salt 3008 writes and reads the key file.
     """
-    data = "\n".join(_pem_lines(text)) + "\n"
-    return _colons(getattr(hashlib, sum_type or "sha256")(data.encode("utf-8")).hexdigest())
-
-
-def salt_major(saltversion=None):
-    """The major release number of ``saltversion`` (default: the installed Salt)."""
-    if saltversion is None:
-        saltversion = salt.version.__version__
-    match = re.match(r"\s*(\d+)", str(saltversion))
-    if not match:
-        raise ValueError(f"not a Salt version: {saltversion!r}")
-    return int(match.group(1))
+    data = normalize_pem(text).encode("utf-8")
+    return _colons(getattr(hashlib, sum_type or "sha256")(data).hexdigest())
 
 
 def master_finger(text, sum_type="sha256"):
@@ -90,9 +86,9 @@ def master_finger(text, sum_type="sha256"):
     """
     if not text:
         return ""
-    if salt_major() >= TEXT_FORM_SINCE:
-        data = "\n".join(_pem_lines(text)) + "\n"
-        return salt.utils.crypt.pem_finger(key=data.encode("utf-8"), sum_type=sum_type or "sha256")
+    if salt.version.__version_info__[0] >= TEXT_FORM_SINCE:
+        return salt.utils.crypt.pem_finger(key=normalize_pem(text).encode("utf-8"),
+                                           sum_type=sum_type or "sha256")
     return body_finger(text, sum_type)
 
 
@@ -120,11 +116,6 @@ def matches(text, finger):
         return False
     return wanted in (normalize(body_finger(text, hashed_with)),
                       normalize(text_finger(text, hashed_with)))
-
-
-def file_matches(path, finger):
-    """``matches`` for the key file at ``path`` (False if it is missing)."""
-    return matches(read_key(path), finger)
 
 
 def sum_type(finger):

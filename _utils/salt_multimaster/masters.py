@@ -64,6 +64,14 @@ def parse(entry, default_port=DEFAULT_MASTER_PORT):
     return host, port
 
 
+def as_int(value, default=0):
+    """``int(value)``, or ``default`` for a value that is not a number (a port, seconds)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
 def parse_lenient(entry, default_port=DEFAULT_MASTER_PORT):
     """
     ``((host, port), error)``: :func:`parse`'s answer and None, or for an
@@ -95,18 +103,7 @@ def split_list(value):
     """
     if value is None:
         return None
-    if isinstance(value, (list, tuple)):
-        return [str(v).strip() for v in value if str(v).strip()]
-    return [v.strip() for v in str(value).split(",") if v.strip()]
-
-
-def is_ip(host):
-    """True for an IPv4 or IPv6 address."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    return entries(value if isinstance(value, (list, tuple)) else str(value).split(","))
 
 
 def _getaddrinfo(host):
@@ -125,9 +122,10 @@ def resolve_hosts(hosts, timeout=2.0, resolver=None):
     ret = {}
     names = []
     for host in dict.fromkeys(hosts):
-        if is_ip(host):
+        try:
+            ipaddress.ip_address(host)
             ret[host] = {host}
-        else:
+        except ValueError:
             names.append(host)
     if not names:
         return ret

@@ -16,7 +16,6 @@ value replaces the main file's value of the same key, so the drop-in alone
 decides the master list and the HA settings.
 """
 
-import datetime
 import fnmatch
 import glob
 import os
@@ -26,7 +25,8 @@ import salt.utils.yaml
 
 from salt_multimaster import finger, fsutil, statefile
 from salt_multimaster.layout import TOPOLOGIES, state_dir
-from salt_multimaster.masters import DEFAULT_MASTER_PORT, dedup, parse_lenient, resolve_hosts
+from salt_multimaster.masters import (DEFAULT_MASTER_PORT, as_int, dedup, parse_lenient,
+                                      resolve_hosts)
 from salt_multimaster.masters import parse as parse_master
 from salt_multimaster.validate import InvalidInput
 
@@ -213,13 +213,10 @@ def parse(text):
     return data if isinstance(data, dict) else None
 
 
-def diff(old, new, keys=None):
+def diff(old, new):
     """``{key: {"old": ..., "new": ...}}`` for every key whose value differs."""
-    old = old or {}
-    new = new or {}
-    keys = keys or list(dict.fromkeys([*new, *old]))
     changes = {}
-    for key in keys:
+    for key in dict.fromkeys([*new, *old]):
         if old.get(key) != new.get(key):
             changes[key] = {"old": old.get(key), "new": new.get(key)}
     return changes
@@ -287,22 +284,6 @@ def config_files(conf_file, extra=None):
     return files
 
 
-def effective_config(conf_file):
-    """
-    The top-level keys of the minion's configuration files merged the way
-    Salt merges them (later files replace earlier keys), and
-    ``{key: path}``: which file set each managed key last.
-    """
-    merged, origin = {}, {}
-    for path in config_files(conf_file):
-        data = _load_yaml_file(path)
-        merged.update(data)
-        for key in MANAGED_KEYS:
-            if key in data:
-                origin[key] = path
-    return merged, origin
-
-
 def overriding_files(conf_file, dropin, keys):
     """
     ``{key: path}`` for managed ``keys`` that a file Salt reads after
@@ -340,12 +321,11 @@ def check(conf_file, masters, settings, name=None, running=None):
     """
     running = running or {}
     path = dropin_path(conf_file, name)
-    merged, _ = effective_config(conf_file)
-    master_port = merged.get("master_port", running.get("master_port", DEFAULT_MASTER_PORT))
-    try:
-        master_port = int(master_port)
-    except (TypeError, ValueError):
-        master_port = DEFAULT_MASTER_PORT
+    merged = {}  # the files' options merged as Salt merges them: a later file wins
+    for file in config_files(conf_file):
+        merged.update(_load_yaml_file(file))
+    master_port = as_int(merged.get("master_port", running.get("master_port")),
+                         DEFAULT_MASTER_PORT)
     ret = {
         "path": path,
         "errors": [],
@@ -461,14 +441,6 @@ def trusted_key_path(opts, topology="shared", name=None):
     return os.path.join(opts.get("pki_dir") or "", name)
 
 
-def normalize_pem(text):
-    """A PEM public key's text with normalised line ends and one final newline."""
-    if text is None:
-        return None
-    lines = [line.strip() for line in str(text).replace("\r\n", "\n").split("\n")]
-    return "\n".join(line for line in lines if line) + "\n"
-
-
 def looks_like_public_key(text):
     """True for a PEM public key (``-----BEGIN ... PUBLIC KEY-----``)."""
     if not text:
@@ -518,7 +490,7 @@ def key_check(path, topology="shared", contents=None, source=None, master_finger
             ret["errors"].append(f"cannot fetch {source}: no such file on the master")
             return ret
     if expected is not None:
-        expected = normalize_pem(expected)
+        expected = finger.normalize_pem(expected)
         if not looks_like_public_key(expected):
             ret["errors"].append("the expected master key is not a PEM public key")
             return ret
@@ -536,28 +508,22 @@ def key_check(path, topology="shared", contents=None, source=None, master_finger
     if expected is not None:
         ret["expected"] = expected
         ret["expected_finger"] = finger.master_finger(expected, sum_type)
-        ret["match"] = current is not None and normalize_pem(current) == expected
+        ret["match"] = current is not None and finger.normalize_pem(current) == expected
     else:
         ret["expected_finger"] = master_finger
         ret["match"] = bool(current) and finger.matches(current, master_finger)
     return ret
 
 
-def backup_dir(opts):
-    """A new ``<cachedir>/multimaster/backup/<UTC timestamp>`` path (not created)."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-    return os.path.join(state_dir(opts), "backup", stamp)
-
-
 def key_apply(opts, path, topology="shared", contents=None, source=None, master_finger=None,
               fetch=None):
     """
     Make the key at ``path`` the expected one (:func:`key_check`): a stale key
-    is copied to :func:`backup_dir` first, then replaced (temp file, fsync,
-    rename).  Returns :func:`key_check`'s answer with ``written`` and
-    ``backup``.  Raises InvalidInput for invalid input and WriteError when
-    the key is wrong but no expected key content was given, or cannot be
-    written.
+    is copied to a new ``<cachedir>/multimaster/backup/<UTC timestamp>``
+    folder first, then replaced (temp file, fsync, rename).  Returns
+    :func:`key_check`'s answer with ``written`` and ``backup``.  Raises
+    InvalidInput for invalid input and WriteError when the key is wrong but
+    no expected key content was given, or cannot be written.
     """
     hash_type = opts.get("hash_type", "sha256")
     ret = key_check(path, topology, contents, source, master_finger, fetch, hash_type)
@@ -573,7 +539,8 @@ def key_apply(opts, path, topology="shared", contents=None, source=None, master_
             "it".format(path, ret["current_finger"], ret["expected_finger"])
         )
     try:
-        ret["backup"] = fsutil.backup(path, backup_dir(opts), os.path.basename(path))
+        backup = os.path.join(state_dir(opts), "backup", statefile.stamp())
+        ret["backup"] = fsutil.backup(path, backup, os.path.basename(path))
         fsutil.makedirs(os.path.dirname(path), mode=0o700)
     except OSError as exc:
         raise WriteError(f"cannot replace {path}: {exc}") from exc

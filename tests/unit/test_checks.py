@@ -5,6 +5,7 @@ system: test_audit.py).  No daemons.
 """
 
 import pytest
+import salt.config
 import salt.utils.crypt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
@@ -215,34 +216,34 @@ def test_failover_settings():
 
 # ----- ipc_tcp_ports ------------------------------------------------------------------
 def test_ipc_tcp_ports():
-    lists_ok = lambda key: True  # noqa: E731
     two = ["a", "b"]
     check = checks.check_ipc_tcp_ports
-    assert check({"ipc_mode": "ipc", "tcp_pub_port": [1]}, two, lists_ok) == []
-    assert check({"ipc_mode": "tcp", "tcp_pub_port": [4510, 4512],
-                  "tcp_pull_port": [4511, 4513]}, two, lists_ok) == []
-    assert check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4511},
-                 two, lists_ok) == []
+    assert check({"ipc_mode": "ipc", "tcp_pub_port": [1]}, two) == []
+    assert check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4511}, two) == []
     ret = check({"ipc_mode": "tcp", "tcp_pub_port": [4510],
-                 "tcp_pull_port": [4511, 4510]}, two, lists_ok)
-    assert [f["message"] for f in ret] == [
+                 "tcp_pull_port": [4511, 4510]}, two)
+    assert [f["message"] for f in ret if "is a list" not in f["message"]] == [
         "ipc_mode is tcp and tcp_pub_port lists 1 port(s) for 2 master(s).",
         "ipc_mode is tcp and port(s) 4510 are used more than once in "
         "tcp_pub_port/tcp_pull_port.",
     ]
-    ret = check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4510},
-                two, lists_ok)
+    ret = check({"ipc_mode": "tcp", "tcp_pub_port": 4510, "tcp_pull_port": 4510}, two)
     assert len(ret) == 1 and "4510" in ret[0]["message"]
 
 
 def test_ipc_tcp_port_lists_on_a_salt_that_takes_one_port():
-    # Salt 3008 types tcp_pub_port as int: a list stops salt-minion from starting
-    assert checks.ports_list_supported("tcp_pub_port") is False
+    # every supported Salt types tcp_pub_port as int: a list stops salt-minion from starting
+    assert salt.config.VALID_OPTS["tcp_pub_port"] is salt.config.VALID_OPTS["tcp_pull_port"] is int
     ret = checks.check_ipc_tcp_ports(
         {"ipc_mode": "tcp", "tcp_pub_port": [4510, 4512], "tcp_pull_port": 4511}, ["a", "b"]
     )
     assert [f["severity"] for f in ret] == ["error"]
     assert "tcp_pub_port is a list" in ret[0]["message"]
+    ret = checks.check_ipc_tcp_ports(
+        {"ipc_mode": "tcp", "tcp_pub_port": [4510, 4512], "tcp_pull_port": [4511, 4513]},
+        ["a", "b"])
+    assert [f["message"].split(" is a list")[0] for f in ret] == [
+        "ipc_mode is tcp and tcp_pub_port", "ipc_mode is tcp and tcp_pull_port"]
 
 
 # ----- version_skew -------------------------------------------------------------------

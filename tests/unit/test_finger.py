@@ -45,7 +45,6 @@ def test_forms(tmp_path):
     if salt.version.__version_info__[0] < 3008:
         assert finger.master_finger(pub) == finger.body_finger(pub)
     assert finger.master_finger("") == "" and finger.file_finger(str(tmp_path / "no")) == ""
-    assert finger.salt_major("3006.28") == 3006 and finger.salt_major() >= 3006
 
 
 def test_matches_either_form():

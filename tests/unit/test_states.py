@@ -128,7 +128,7 @@ def test_minion_config_applied_and_restart_scheduled():
                    "/etc/salt/minion.d/multimaster.conf. The minion restarts in the "
                    "background after this job returns.",
     }
-    restart.assert_called_once_with(cmd=None, delay=1)
+    restart.assert_called_once_with(cmd=None, delay=1, service="salt-minion")
 
 
 def test_minion_config_restart_pending_and_disabled():
