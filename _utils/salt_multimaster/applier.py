@@ -43,9 +43,8 @@ class Applier:
     ``unseal(blob, purpose)`` opens what was sealed to this peer.
     """
 
-    def __init__(self, mopts, state_dir, unseal):
+    def __init__(self, mopts, unseal):
         self.mopts = mopts
-        self.state_dir = state_dir
         self.unseal = unseal
         self.backup_root = os.path.join(mopts["cachedir"], "multimaster", "backup",
                                         statefile.stamp())
@@ -469,7 +468,7 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
                 return {"backup": None, "inventory": inv}
             status = {k: inv[k] for k in ("master_running", "master_address", "restart_pending")
                       if k in inv}
-        app = Applier(mopts, state_dir, unseal)
+        app = Applier(mopts, unseal)
         if pull_token:
             app.puller = Puller(app, pull_token, pull_chunks, pull)
         try:

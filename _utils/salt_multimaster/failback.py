@@ -42,7 +42,7 @@ Plain Python: Salt comes in through :class:`SaltOps`.
 
 import logging
 
-from salt_multimaster import (applier, layout, outage, report, restore, revocation, rounds,
+from salt_multimaster import (applier, outage, report, restore, revocation, rounds,
                               validate)
 from salt_multimaster import sync as core
 
@@ -122,8 +122,7 @@ def carry(ops, peer, items):
     except validate.InvalidInput as exc:
         step.update(result=False, comment=f"nothing written: {exc}")
         return step
-    app = applier.Applier(ops.opts, layout.state_dir(ops.opts),
-                          lambda blob, purpose: ops.unseal(blob, f"failback/{purpose}"))
+    app = applier.Applier(ops.opts, lambda blob, purpose: ops.unseal(blob, f"failback/{purpose}"))
     try:
         applied = applier.apply_categories(app, todo, ops.conf["topology"], lambda _ops: {})
     except BaseException:

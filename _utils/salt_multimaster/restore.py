@@ -52,7 +52,7 @@ def restore(mopts, state_dir, backup_name, test, restart):
         return {"result": False, "error": str(exc), "restored": [], "errors": []}
     ret = {"result": True, "backup_restored": os.path.basename(source), "restored": [],
            "errors": []}
-    app = None if test else Applier(mopts, state_dir, None)
+    app = None if test else Applier(mopts, None)
     refused = restart.why_refused()
     for rel in backup.items(source):
         try:

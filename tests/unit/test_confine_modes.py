@@ -178,7 +178,7 @@ class _Served:
 
 def _apply(tmp_path, roots, ops, data=b"new"):
     mopts = {"file_roots": {"base": roots}, "cachedir": str(tmp_path / "cache")}
-    app = applier.Applier(mopts, str(tmp_path / "state"), None)
+    app = applier.Applier(mopts, None)
     app.puller = _Served(data)
     for op in ops:
         op.setdefault("pull", 0)
@@ -239,8 +239,7 @@ def test_apply_minion_keys_never_writes_or_removes_through_a_key_dir_leading_out
     out.mkdir()
     (out / "victim").write_text("not a key of this master")
     os.symlink(str(out), pki / "minions_pre")
-    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
-                          str(tmp_path / "state"), None)
+    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")}, None)
     key = "-----BEGIN PUBLIC KEY-----\nx\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "state": "minions_pre", "id": "web1", "sha256": manifest.key_sha(key.encode()),
             "data": key},
@@ -277,7 +276,7 @@ def test_master_keys_never_written_through_a_link_out_of_pki_dir(tmp_path):
     (out / "master.pub").write_text("outside")
     os.symlink(out / "master.pub", pki / "master.pub")
     mopts = {"pki_dir": str(pki), "id": "m2_master", "cachedir": str(tmp_path / "cache")}
-    app = applier.Applier(mopts, str(tmp_path / "state"), None)
+    app = applier.Applier(mopts, None)
     data = "-----BEGIN PUBLIC KEY-----\nnew\n-----END PUBLIC KEY-----\n"
     ops = [{"op": "write", "kind": "pub", "name": "master.pub", "data": data,
             "sha256": hashlib.sha256(data.encode()).hexdigest()}]
@@ -296,8 +295,7 @@ def test_apply_backs_up_every_replaced_key(tmp_path, count):
     new = "-----BEGIN PUBLIC KEY-----\nnew\n-----END PUBLIC KEY-----\n"
     for i in range(0, 2 * count, 2):  # every other id exists
         (pki / "minions" / f"m{i:03d}").write_text(old)
-    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")},
-                          str(tmp_path / "state"), None)
+    app = applier.Applier({"pki_dir": str(pki), "cachedir": str(tmp_path / "cache")}, None)
     ops = [{"op": "write", "state": "minions", "id": f"m{i:03d}", "data": new,
             "sha256": manifest.key_sha(new.encode())} for i in range(count)]
     report = applier.apply_minion_keys(app, ops)
