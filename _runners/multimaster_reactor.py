@@ -192,6 +192,10 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         as long each time (2, 4, 8 s by default); a periodic full sync
         (``sync_interval`` of the formula) catches anything left over.
 
+    On a master whose ``multimaster_watch`` engine replicates key changes
+    (its journal answers: docs/watch.rst), the event is left to the engine
+    and ignored: one sync per change, not two.
+
     Returns ``{"queued": True}`` when a running sync will cover this event,
     else ``{"syncs": n, "result": bool, "last": <sync return>}``.
 
@@ -212,9 +216,13 @@ def key_event(act=None, minion_id=None, window=0, max_rounds=20, retries=3, retr
         return {"ignored": f"invalid minion id {minion_id!r}", "result": False, "retcode": 1}
     quiet = _conf_float("key_event_quiet", quiet, QUIET)
     max_wait = _conf_float("key_event_max_wait", max_wait, MAX_WAIT)
-    from salt_multimaster import layout  # pylint: disable=import-outside-toplevel
+    from salt_multimaster import layout, trigger  # pylint: disable=import-outside-toplevel
 
     state_dir = layout.state_dir(__opts__)
+    if trigger.replicates_keys(__opts__, state_dir):
+        log.debug("multimaster: key event %s %s: left to the multimaster_watch engine",
+                  act, minion_id)
+        return {"ignored": "the multimaster_watch engine replicates key changes on this master"}
     queue = os.path.join(state_dir, "key-sync.pending")
     lock_path = os.path.join(state_dir, "key-sync.lock")
     # Queue first, lock second: a running sync that has not yet taken the

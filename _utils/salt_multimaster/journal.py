@@ -280,7 +280,8 @@ def client(state_dir):
 ENGINE = "multimaster_watch"
 
 
-def _engine_name(entry):
+def engine_name(entry):
+    """The engine an entry of a master's ``engines`` option names (None: malformed)."""
     if isinstance(entry, str):
         return entry
     if isinstance(entry, dict) and len(entry) == 1:
@@ -310,7 +311,7 @@ def engines_config(main, dropins):
             raise ValueError(f"engines in {where} is not a list: {value!r:.100}")
     others = [e for value in lists[1:] for e in value]
     running = others if others else lists[0]
-    if ENGINE in {_engine_name(e) for e in running}:
+    if ENGINE in {engine_name(e) for e in running}:
         return None
     # the drop-ins' lists are merged with this one: only the master file's
     # must be repeated

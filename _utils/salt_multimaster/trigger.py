@@ -21,7 +21,7 @@ import os
 import threading
 import time
 
-from salt_multimaster import manifest, validate
+from salt_multimaster import journal, manifest, validate
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,29 @@ def replicated(opts):
         log.error("multimaster_watch: no continuous replication: %s", exc)
         return []
     return [cat for cat in WATCHED if cat in wanted]
+
+
+def replicates_keys(opts, state_dir):
+    """
+    Whether the ``multimaster_watch`` engine of the master of ``opts``
+    (state dir ``state_dir``) replicates its key changes now: it is in
+    ``engines`` without ``replicate: false``, ``minion_keys`` is among
+    :func:`replicated`, and its journal answers for the ``pki_dir`` (a
+    journal that cannot watch, or lost its watches, triggers nothing).
+    The reactor then leaves key events to it: one sync per change, not two.
+    """
+    confs = [entry.get(journal.ENGINE) if isinstance(entry, dict) else None
+             for entry in opts.get("engines") or [] if journal.engine_name(entry) == journal.ENGINE]
+    if not confs or (isinstance(confs[0], dict) and confs[0].get("replicate") is False):
+        return False
+    if "minion_keys" not in replicated(opts) or not opts.get("pki_dir"):
+        return False
+    ask = journal.client(state_dir)
+    token = ask(None)
+    if token is None or token["session"] is None:
+        return False
+    reply = ask({"session": token["session"], "seq": token["seq"]})
+    return reply is not None and os.path.realpath(opts["pki_dir"]) in (reply["changed"] or {})
 
 
 def categories_of(opts):
@@ -117,6 +140,12 @@ class Trigger:
     def _look(self, now):
         """Add what changed since the last look to ``pending``."""
         reply = self.changes(self.since)
+        if self.since is None and reply["session"] is not None and reply["seq"]:
+            # the first look: what the journal recorded before it counts too
+            # (the reactor leaves key changes to a journal that answers:
+            # replicates_keys)
+            self.since = {"session": reply["session"], "seq": 0}
+            reply = self.changes(self.since)
         token = {"session": reply["session"], "seq": reply["seq"]}
         new = set()
         if self.since is not None and token != self.since:

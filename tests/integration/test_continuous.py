@@ -4,20 +4,26 @@ journal as a trigger), on real daemons: a file saved in a root, a pillar
 file, a key accepted and deleted with ``salt-key`` on the primary reach the
 peer without anyone running ``multimaster.sync``; the peer serves the file
 (``cp.get_file_str`` through the peer).  The peer master runs the engine
-too (its journal), and, naming no peers, never syncs.
+too (its journal), and, naming no peers, never syncs.  The primary runs the
+formula's salt/key reactor as well, which leaves key events to the engine:
+one sync per change, not two.
 """
 
 import pathlib
 
 import pytest
 
+from tests.conftest import REPO
 from tests.support.cluster import gen_keypair, pull_cluster, wait_until
 
 pytestmark = pytest.mark.daemons
 
 ENGINES = {"engines": [{"multimaster_watch": {"poll": 0.5}}]}
 
-cluster = pull_cluster("cnt", master_overrides=ENGINES)
+# the primary runs the formula's salt/key reactor too (the formula's default)
+REACTOR = {"reactor": [{"salt/key": [str(REPO / "salt" / "multimaster" / "reactor" / "key.sls")]}]}
+
+cluster = pull_cluster("cnt", master_overrides=ENGINES, primary_overrides=REACTOR)
 
 
 def _syncs(cluster, master):
@@ -63,6 +69,7 @@ def test_keys_accepted_and_deleted_on_the_primary_reach_the_peer(cluster):
     primary, peer = cluster.primary, cluster.peers[0]
     pub = gen_keypair(2048)[1]
     (cluster.pki_dir(primary) / "minions_pre" / "cnt-new").write_bytes(pub)
+    before = _syncs(cluster, primary)
     ret = cluster.salt_key(primary, "-a", "cnt-new", "-y")
     assert ret.returncode == 0, ret
     assert wait_until(lambda: cluster.keys(peer)["minions"].get("cnt-new") == pub.decode()
@@ -71,6 +78,12 @@ def test_keys_accepted_and_deleted_on_the_primary_reach_the_peer(cluster):
     assert ret.returncode == 0, ret
     assert wait_until(lambda: all("cnt-new" not in ids for ids in cluster.keys(peer).values()),
                       deadline=60)
+    # the reactor ran on both events and left them to the engine: one sync
+    # per change, not one from each
+    assert wait_until(lambda: len(cluster.job_records(
+        primary, "runner.multimaster_reactor.key_event")) >= 2, deadline=30)
+    assert _syncs(cluster, primary) - before >= 2
+    assert "syncing the keys of" not in cluster.log_since(primary, 0)
     # the operator's sync, the full reconcile, finds the peer a replica
     ret = cluster.salt_run(primary, "multimaster.status")
     assert ret.returncode == 0, ret.stdout

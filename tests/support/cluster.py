@@ -812,7 +812,7 @@ def _started_with_pull(cluster_factory, name, master_overrides=None, **kwargs):
     """
     cluster = cluster_factory(
         name, peers=1, minions=0, master_overrides=master_overrides,
-        primary_overrides=PULL_PRIMARY, **kwargs,
+        primary_overrides={**PULL_PRIMARY, **kwargs.pop("primary_overrides", {})}, **kwargs,
     )
     dropin = pathlib.Path(cluster.primary.config_file).parent / "master.d" / "multimaster.conf"
     dropin.parent.mkdir(exist_ok=True)

@@ -319,3 +319,13 @@ def test_key_event_retries_back_off_then_give_up(tmp_path):
         ret = mod.key_event(act="accepted", minion_id="a", window=0, max_wait=0)
     assert ret["result"] is False and ret["syncs"] == 4
     assert syncs == [(1000.0, ["a"]), (1002.0, ["a"]), (1006.0, ["a"]), (1014.0, ["a"])]
+
+
+def test_key_event_leaves_keys_to_the_watch_engine(tmp_path):
+    calls = []
+    mod = _runner(tmp_path, lambda **kwargs: calls.append(kwargs))
+    with patch("salt_multimaster.trigger.replicates_keys", return_value=True) as asked:
+        assert mod.key_event(act="accepted", minion_id="a") == {
+            "ignored": "the multimaster_watch engine replicates key changes on this master"}
+    assert asked.call_args[0][0] is mod.__opts__ and calls == []
+    assert not os.path.exists(tmp_path / "multimaster" / "key-sync.pending")

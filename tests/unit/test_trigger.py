@@ -4,10 +4,12 @@ replication), against a journal and a clock of the test's own.
 """
 
 import os
+import threading
+import time
 
 import pytest
 
-from salt_multimaster import trigger
+from salt_multimaster import journal, trigger, watch
 
 ROOT, PILLAR, PKI = "/srv/salt", "/srv/pillar", "/etc/salt/pki/master"
 OPTS = {"file_roots": {"base": [ROOT]}, "pillar_roots": {"base": [PILLAR]}, "pki_dir": PKI,
@@ -162,3 +164,72 @@ def test_roots_are_matched_by_their_real_path(tmp_path):
     opts = dict(OPTS, file_roots={"base": [str(tmp_path / "link")]})
     of = trigger.categories_of(opts)
     assert of(os.path.realpath(real), "") == {"file_roots"}
+
+
+def test_the_first_look_counts_what_the_journal_recorded_before_it():
+    recorded, clock, synced = Journal(), Clock(), []
+    recorded.change(PKI, "minions")  # a key accepted before the first look
+    trig = trigger.Trigger(recorded, trigger.categories_of(OPTS), trigger.replicated(OPTS),
+                           lambda cats: synced.append(cats) or True, clock=clock)
+    assert trig.tick() == pytest.approx(trigger.QUIET)
+    clock.now += trigger.QUIET
+    trig.tick()
+    _settle(trig)
+    assert synced == [["minion_keys"]]
+
+
+@pytest.fixture
+def served(tmp_path):
+    """``served(*trees)``: a started watcher answering at tmp_path/state's socket."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    stop, threads = threading.Event(), []
+
+    def serve(*trees):
+        watcher = watch.Watcher(trees)
+        watcher.start()
+        sock = journal.socket_path(str(state_dir))
+        thread = threading.Thread(target=journal.serve, args=(watcher, sock),
+                                  kwargs={"stop": stop, "poll": 0.02}, daemon=True)
+        thread.start()
+        threads.append((thread, watcher))
+        deadline = time.monotonic() + 5
+        while journal.query(sock, None) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    yield str(state_dir), serve
+    stop.set()
+    for thread, watcher in threads:
+        thread.join(5)
+        watcher.close()
+
+
+@pytest.mark.parametrize("engines,replicate,expected", [
+    ([{"multimaster_watch": {"poll": 0.5}}], None, True),
+    (["multimaster_watch"], None, True),
+    ([{"multimaster_watch": None}], None, True),
+    ([{"multimaster_watch": {"replicate": False}}], None, False),
+    ([{"other_engine": {}}], None, False),
+    (None, None, False),
+    ([{"multimaster_watch": {}}], ["file_roots"], False),
+])
+def test_the_reactor_leaves_keys_to_an_engine_that_replicates_them(
+        served, tmp_path, engines, replicate, expected):
+    state_dir, serve = served
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    conf = {"peers": ["m2"], "replicate": replicate} if replicate else {"peers": ["m2"]}
+    opts = dict(OPTS, pki_dir=str(pki), engines=engines, multimaster=conf)
+    assert trigger.replicates_keys(opts, state_dir) is False  # no engine answers
+    serve(str(pki))
+    assert trigger.replicates_keys(opts, state_dir) is expected
+
+
+def test_the_reactor_keeps_keys_a_journal_does_not_watch(served, tmp_path):
+    state_dir, serve = served
+    pki, other = tmp_path / "pki", tmp_path / "other"
+    other.mkdir()
+    opts = dict(OPTS, pki_dir=str(pki), engines=["multimaster_watch"])
+    serve(str(other), str(pki))  # the pki_dir does not exist: unwatched
+    assert trigger.replicates_keys(opts, state_dir) is False
