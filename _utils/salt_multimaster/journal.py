@@ -154,9 +154,9 @@ def serve(watcher, sock_path, stop=None, poll=1.0, tick=None):
     file is removed, if it is still this server's.
     """
     sock, ident = _listen(sock_path)
-    due = None  # when tick() asked to be called again (monotonic)
-    if tick is not None:
-        tick()  # from now on: what changes is seen
+    # when tick() asked to be called again (monotonic): at once, before any
+    # query is answered (from then on, what changes is seen)
+    due = None if tick is None else time.monotonic()
     try:
         while stop is None or not stop.is_set():
             fd = watcher.fileno()

@@ -10,6 +10,9 @@ accepted, rejected or deleted reaches every peer within seconds, without
 anyone running ``sync``.  One sync runs at a time; changes made while it
 runs start the next one.  A sync that leaves a peer behind is tried again
 after :data:`RETRY` seconds, doubled each time up to :data:`RETRY_MAX`.
+When the engine starts, and whenever its journal starts a new session,
+every watched category is synced once: what changed while nothing watched
+(the master stopped, a ``salt-key`` run meanwhile) is not known.
 
 The journal is a trigger only: each sync still reads what it needs (its
 own journal token, or everything), and ``salt-run multimaster.sync`` stays
@@ -140,23 +143,18 @@ class Trigger:
     def _look(self, now):
         """Add what changed since the last look to ``pending``."""
         reply = self.changes(self.since)
-        if self.since is None and reply["session"] is not None and reply["seq"]:
-            # the first look: what the journal recorded before it counts too
-            # (the reactor leaves key changes to a journal that answers:
-            # replicates_keys)
-            self.since = {"session": reply["session"], "seq": 0}
-            reply = self.changes(self.since)
         token = {"session": reply["session"], "seq": reply["seq"]}
-        new = set()
-        if self.since is not None and token != self.since:
-            if reply["changed"] is None:
-                # a new session (events lost, a tree replaced): anything may have changed
-                new = set(self.wanted)
-            else:
-                new = {cat for tree, rels in reply["changed"].items() for rel in rels
-                       for cat in self.of(tree, rel)} & self.wanted
-        if reply["session"] is not None:
-            self.since = token
+        if reply["session"] is None or token == self.since:
+            return  # not watching (nothing to trigger on), or nothing new
+        if reply["changed"] is None:
+            # the first look or a new session (events lost, a tree replaced):
+            # what changed before it is not known (the master stopped, a
+            # salt-key run meanwhile), anything may have changed
+            new = set(self.wanted)
+        else:
+            new = {cat for tree, rels in reply["changed"].items() for rel in rels
+                   for cat in self.of(tree, rel)} & self.wanted
+        self.since = token
         if new:
             self.pending |= new
             self.first = self.first if self.first is not None else now

@@ -31,6 +31,12 @@ def _syncs(cluster, master):
     return cluster.log_since(master, 0).count("multimaster_watch: changes on this master: syncing")
 
 
+def _engine_lines(cluster, master):
+    """The lines of the engine of ``master`` in its log, for failures."""
+    return "\n".join(line for line in cluster.log_since(master, 0).splitlines()
+                     if "multimaster_watch" in line)[-6000:]
+
+
 def _served(cluster, path):
     """What the peer serves at ``salt://<path>`` to its own host's minion (None: nothing)."""
     pm = cluster.peer_minions[0]
@@ -48,7 +54,7 @@ def test_a_saved_file_is_served_by_the_peer_without_a_sync(cluster):
     (web / "init.sls").write_text("web:\n  test.succeed_without_changes\n")
     (cluster.file_root(primary, kind="pillar_roots") / "web.sls").write_text("port: 8080\n")
     peer_web = cluster.file_root(peer) / "web" / "init.sls"
-    assert wait_until(peer_web.is_file, deadline=60), cluster.log_since(primary, 0)[-3000:]
+    assert wait_until(peer_web.is_file, deadline=60), _engine_lines(cluster, primary)
     assert wait_until(lambda: _served(cluster, "web/init.sls") ==
                       "web:\n  test.succeed_without_changes\n", deadline=30)
     peer_pillar = cluster.file_root(peer, kind="pillar_roots") / "web.sls"
@@ -87,3 +93,20 @@ def test_keys_accepted_and_deleted_on_the_primary_reach_the_peer(cluster):
     # the operator's sync, the full reconcile, finds the peer a replica
     ret = cluster.salt_run(primary, "multimaster.status")
     assert ret.returncode == 0, ret.stdout
+
+
+def test_a_key_accepted_while_the_primary_was_down_reaches_the_peer_at_its_start(cluster):
+    # salt-key works with the master stopped; nothing watched that change,
+    # so the engine syncs every category when it starts
+    primary, peer = cluster.primary, cluster.peers[0]
+    pub = gen_keypair(2048)[1]
+    (cluster.pki_dir(primary) / "minions_pre" / "cnt-offline").write_bytes(pub)
+    primary.terminate()
+    try:
+        ret = cluster.salt_key(primary, "-a", "cnt-offline", "-y")
+        assert ret.returncode == 0, ret
+        assert (cluster.pki_dir(primary) / "minions" / "cnt-offline").is_file()
+    finally:
+        primary.start()
+    assert wait_until(lambda: cluster.keys(peer)["minions"].get("cnt-offline") == pub.decode(),
+                      deadline=120), _engine_lines(cluster, primary)

@@ -710,3 +710,25 @@ def test_a_bad_poll_is_named(poll):
     with pytest.raises(ValueError, match=r"multimaster_watch: poll must be seconds in \(0, 60\]"):
         journal.check_poll(poll)
     assert journal.check_poll(2) == 2.0 and journal.check_poll(0.2) == 0.2
+
+
+def test_serve_ticks_before_its_first_answer_and_when_the_tick_asks(tree, started, tmp_path):
+    w = started(tree)
+    sock_path, calls, stop = str(tmp_path / "t.sock"), [], threading.Event()
+
+    def tick():
+        calls.append(time.monotonic())
+        return 0.01 if len(calls) < 3 else None
+
+    server = threading.Thread(target=journal.serve, args=(w, sock_path),
+                              kwargs={"stop": stop, "poll": 0.05, "tick": tick}, daemon=True)
+    server.start()
+    try:
+        _until(lambda: journal.query(sock_path, None) is not None)
+        assert calls  # before the first answer
+        # the seconds the first tick asked for are kept, with no event at all
+        _until(lambda: len(calls) == 3)
+    finally:
+        stop.set()
+        server.join(5)
+    assert not server.is_alive()
