@@ -121,6 +121,8 @@ def _converges(cluster, where, edited=False):
         force = edited and "since its last sync" in out
         code, out = _sync(cluster, *(["force=True"] if force else []))
         _settled(cluster)
+    if code != 0 or not _replica(cluster):
+        print(f"{where}: exit {code}\n{out}")  # whole (pytest shortens an assertion's message)
     assert code == 0 and _replica(cluster), (where, out)
 
 
