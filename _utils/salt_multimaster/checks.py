@@ -64,7 +64,6 @@ def check_master_list(masters, expected, default_port=DEFAULT_MASTER_PORT, resol
     request port.  An entry the ``multimaster.minion_config`` state would
     refuse (same parser: :func:`masters.parse`) is an error naming it.
     """
-    resolved = resolved or {}
     if not masters:
         return [
             finding(

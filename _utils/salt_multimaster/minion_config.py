@@ -84,21 +84,17 @@ def validate(masters, settings, default_port=DEFAULT_MASTER_PORT, resolved=None)
     Return a list of error messages (empty when valid) for a master list and
     HA settings.  Nothing is normalised here: see :func:`desired`.
     """
-    errors = []
+    errors, unique = [], []
     if masters is None:
         errors.append("no masters given (argument masters or pillar multimaster:masters)")
-        unique = []
     elif not isinstance(masters, (list, tuple)):
         errors.append(
             f"masters must be a list of master addresses, not {type(masters).__name__} "
             f"({masters!r})"
         )
-        unique = []
     elif not masters:
         errors.append("masters is empty: list at least one master")
-        unique = []
     else:
-        unique = []
         for entry in masters:
             try:
                 parse_master(entry, default_port)
@@ -106,9 +102,6 @@ def validate(masters, settings, default_port=DEFAULT_MASTER_PORT, resolved=None)
                 errors.append(str(exc))
         if not errors:
             unique, _ = dedup(masters, default_port, resolved)
-    if not isinstance(settings, dict):
-        errors.append(f"settings must be a mapping, not {type(settings).__name__}")
-        return errors
     for key, value in settings.items():
         kind = SETTINGS.get(key)
         if kind is None:
@@ -230,10 +223,7 @@ def dropin_path(conf_file, name=None):
     The managed drop-in: ``name`` (default ``multimaster.conf``) in the
     ``minion.d`` folder beside ``conf_file``, or ``name`` when absolute.
     """
-    name = name or DROPIN_NAME
-    if os.path.isabs(name):
-        return name
-    return os.path.join(os.path.dirname(conf_file), "minion.d", name)
+    return os.path.join(os.path.dirname(conf_file), "minion.d", name or DROPIN_NAME)
 
 
 def read_text(path):
@@ -272,9 +262,7 @@ def config_files(conf_file, extra=None):
     for pattern in patterns:
         if not isinstance(pattern, str):
             continue
-        pattern = os.path.expanduser(pattern)
-        if not os.path.isabs(pattern):
-            pattern = os.path.join(conf_dir, pattern)
+        pattern = os.path.join(conf_dir, os.path.expanduser(pattern))
         found = set(glob.glob(pattern))
         if extra and fnmatch.fnmatch(extra, pattern):
             found.add(extra)
@@ -436,15 +424,11 @@ def trusted_key_path(opts, topology="shared", name=None):
     ``name`` when absolute.
     """
     name = name or trusted_key_name(topology, opts.get("master_sign_key_name"))
-    if os.path.isabs(name):
-        return name
     return os.path.join(opts.get("pki_dir") or "", name)
 
 
 def looks_like_public_key(text):
     """True for a PEM public key (``-----BEGIN ... PUBLIC KEY-----``)."""
-    if not text:
-        return False
     text = text.strip()
     return bool(
         re.match(r"^-----BEGIN (RSA )?PUBLIC KEY-----\n", text + "\n")
