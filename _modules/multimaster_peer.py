@@ -531,12 +531,13 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
                 pub = str(keypair.get("pub") or "").encode()
             else:
                 priv, pub = rotation.gen_keypair(mopts.get("keysize") or rotation.DEFAULT_KEYSIZE)
-            done = rotation.install(mopts, priv, pub, rotation.backup_root(mopts))
+            root = rotation.backup_root(mopts)
+            done = rotation.install(mopts, priv, pub, root)
         except (rotation.RotationError, seal.SealError, OSError, fsutil.PathError) as exc:
             return _refused("multimaster_peer.rotate_key", exc)
         ret.update(old=done["old"], new=done["new"], backup=done["backup"])
         try:
-            rotation.prune_backups(mopts, backup_keep)
+            backup.prune(os.path.dirname(root), backup_keep)
         except (backup.BackupError, OSError, TypeError, ValueError) as exc:
             log.warning("multimaster: old backups not pruned: %s", exc)
     else:

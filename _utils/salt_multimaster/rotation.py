@@ -32,7 +32,7 @@ import subprocess
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 
-from salt_multimaster import backup, daemon, finger, fsutil, layout, statefile
+from salt_multimaster import daemon, finger, fsutil, layout, statefile
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +133,6 @@ def install(mopts, priv, pub, backup_root):
     fsutil.atomic_write(pem_path, priv, mode=fsutil.PRIVATE_KEY_MODE)
     fsutil.atomic_write(pub_path, pub, mode=0o644)
     return {"old": old, "new": key_finger(pub_path, mopts), "backup": saved}
-
-
-def prune_backups(mopts, keep=backup.DEFAULT_KEEP):
-    """Keep the newest ``keep`` backups of this master (sync and rotation alike)."""
-    return backup.prune(os.path.join(mopts["cachedir"], "multimaster", "backup"), keep)
 
 
 def backup_root(mopts):
