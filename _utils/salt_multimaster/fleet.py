@@ -19,7 +19,7 @@ def minion_entry(ret):
     (``{"ret": ..., "retcode": ...}``), the bare audit dict, or whatever the
     minion sent instead (an error string when the module is missing).
     """
-    data = ret.get("ret") if isinstance(ret, dict) and "ret" in ret else ret
+    data = payload(ret)
     if isinstance(data, dict) and isinstance(data.get("findings"), list):
         return {
             "ok": bool(data.get("result")),
@@ -44,6 +44,11 @@ def minion_entry(ret):
         "master_finger": "",
         "saltversion": "",
     }
+
+
+def payload(ret):
+    """What the minion returned: ``ret["ret"]`` of a full return, else ``ret`` itself."""
+    return ret.get("ret") if isinstance(ret, dict) and "ret" in ret else ret
 
 
 def returned(ret):

@@ -291,8 +291,7 @@ def cmd(opts, tgt, fun, arg=None, kwarg=None, tgt_type="glob", timeout=30):
                          timeout=timeout, full_return=True) or {}
     finally:
         local.destroy()
-    return {mid: ret.get("ret") if isinstance(ret, dict) and "ret" in ret else ret
-            for mid, ret in rets.items() if fleet.returned(ret)}
+    return {mid: fleet.payload(ret) for mid, ret in rets.items() if fleet.returned(ret)}
 
 
 def cached_pillars(opts, ids):
