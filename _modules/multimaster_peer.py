@@ -277,8 +277,8 @@ def _restart_master(cmd=None):
 
 @_public()
 def apply(ops=None, topology="shared", pull_token=None, pull_chunks=0, sealed=None,
-          backup_keep=10, keys_digest=None, expect=None, config_keys=None, confirm=None,
-          epoch=None):
+          backup_keep=backup.DEFAULT_KEEP, keys_digest=None, expect=None, config_keys=None,
+          confirm=None, epoch=None):
     """
     Apply the operations planned by ``salt-run multimaster.sync``.
 
@@ -462,7 +462,7 @@ def restart_master(test=False):
 # ---------------------------------------------------------------------------
 @_public()
 def rotate_key(topology="signed", keypair=None, restart_only=False, restart_cmd=None,
-               test=False, backup_keep=10, sealed=None):
+               test=False, backup_keep=backup.DEFAULT_KEEP, sealed=None):
     """
     Give this peer's salt-master a new master keypair and restart it: the
     peer's step of ``salt-run multimaster.rotate_key``.  The old keypair is
@@ -486,6 +486,9 @@ def rotate_key(topology="signed", keypair=None, restart_only=False, restart_cmd=
         program is not installed here is refused before anything is written.
     test
         Change nothing; say what would happen.
+    backup_keep
+        The backups kept here, the newest (the primary's
+        ``multimaster:backup_keep``).
 
     Returns ``{"result", "old", "new", "backup", "restart"}``; no key
     material, only fingerprints.
@@ -536,10 +539,7 @@ def _rotate_key(topology, keypair, restart_only, restart_cmd, test, backup_keep)
         except (rotation.RotationError, seal.SealError, OSError, fsutil.PathError) as exc:
             return _refused("multimaster_peer.rotate_key", exc)
         ret.update(old=done["old"], new=done["new"], backup=done["backup"])
-        try:
-            backup.prune(os.path.dirname(root), backup_keep)
-        except (backup.BackupError, OSError, TypeError, ValueError) as exc:
-            log.warning("multimaster: old backups not pruned: %s", exc)
+        backup.trim(os.path.dirname(root), backup_keep)
     else:
         ret["new"] = ret["old"]
     ret["restart"] = master_restart()

@@ -511,12 +511,6 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         ret["restart"] = restart() if daemon_changed else None
         ret["backup"] = app.backup_root if app.backed_up else None
         ret.update(rotation)
-        try:
-            pruned = backup.prune(os.path.dirname(app.backup_root), backup_keep)
-            if pruned:
-                log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned),
-                         backup_keep)
-        except (backup.BackupError, OSError, TypeError, ValueError) as exc:
-            log.warning("multimaster: old backups not pruned: %s", exc)
+        backup.trim(os.path.dirname(app.backup_root), backup_keep)
         ret.update(status)
         return ret

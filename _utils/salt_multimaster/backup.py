@@ -5,12 +5,16 @@ Each apply that replaces or removes anything copies it first to
 ``<peer master cachedir>/multimaster/backup/<UTC timestamp>/<category>/...``:
 ``minion_keys/<state dir>/<id>``, ``file_roots/<saltenv>/<path>``,
 ``pillar_roots/<saltenv>/<path>``, ``master_keys/<file name>``,
-``master_config/<drop-in name>``.  Only the newest ``keep`` backups are kept.
+``master_config/<drop-in name>``; a master key rotation keeps each
+master's old keypair the same way.  Only the newest ``keep`` backups are kept.
 """
 
+import logging
 import os
 import re
 import shutil
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 10
 STAMP = re.compile(r"^\d{8}T\d{6}(\.\d+)?Z$")
@@ -38,6 +42,21 @@ def prune(base, keep=DEFAULT_KEEP):
     for name in old:
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return old
+
+
+def trim(base, keep):
+    """
+    :func:`prune`, logging what stops it instead of raising: the apply or
+    key rotation that made the newest backup is done and stands.
+    """
+    try:
+        pruned = prune(base, keep)
+    except (BackupError, OSError, TypeError, ValueError) as exc:
+        log.warning("multimaster: old backups not pruned: %s", exc)
+        return []
+    if pruned:
+        log.info("multimaster: removed %d old backup(s), keeping %s", len(pruned), keep)
+    return pruned
 
 
 def choose(base, backup=None):

@@ -18,7 +18,8 @@ import time
 
 import salt.utils.systemd
 
-from salt_multimaster import daemon, finger, jobs, layout, lock, restart, rotation, seal, validate
+from salt_multimaster import (backup, daemon, finger, jobs, layout, lock, restart, rotation, seal,
+                              validate)
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ def rotate_key(opts, jid, jid_event, status, *, peers, topology, test, fresh, tg
         waits = {k: validate.timeout(k, v, maximum=3600) for k, v in
                  (("restart_wait", restart_wait), ("verify_wait", verify_wait),
                   ("timeout", timeout))}
+        keep = validate.keep("multimaster:backup_keep",
+                             conf.get("backup_keep", backup.DEFAULT_KEEP))
     except validate.InvalidInput as exc:
         return refused(f"multimaster.rotate_key: {exc}")
     reason = rotation.unsupported(opts, topology)
@@ -146,7 +149,7 @@ def rotate_key(opts, jid, jid_event, status, *, peers, topology, test, fresh, tg
         return refused("multimaster.rotate_key: no peers: set multimaster:peers or pass "
                        "peers=")
     rot = Rotation(salt_ops(opts, status, jid_event), topology, conf_peers, restart_cmd, tgt,
-                   tgt_type, **waits)
+                   tgt_type, backup_keep=keep, **waits)
     ret = rot.check(fresh, test)
     if ret["result"] and not test:
         try:
@@ -170,8 +173,8 @@ class Rotation:
     """
 
     def __init__(self, salt, topology, peers, restart_cmd=None, tgt="*", tgt_type="glob",
-                 restart_wait=120, verify_wait=60, timeout=15):
-        self.salt, self.opts = salt, salt.opts
+                 restart_wait=120, verify_wait=60, timeout=15, backup_keep=backup.DEFAULT_KEEP):
+        self.salt, self.opts, self.backup_keep = salt, salt.opts, backup_keep
         self.topology, self.peers, self.primary = topology, list(peers), salt.opts["id"]
         self.restart_cmd, self.tgt, self.tgt_type = restart_cmd, tgt, tgt_type
         self.restart_wait, self.verify_wait, self.timeout = restart_wait, verify_wait, timeout
@@ -306,7 +309,8 @@ class Rotation:
         """Rotate one peer: new key, restart, wait until it serves it.  Error or None."""
         restart = None
         if step["state"] == rotation.PENDING:
-            kwarg = {"topology": self.topology, "restart_cmd": self.restart_cmd}
+            kwarg = {"topology": self.topology, "restart_cmd": self.restart_cmd,
+                     "backup_keep": self.backup_keep}
             if self.topology == "shared":
                 with open(os.path.join(self.opts["pki_dir"], "minions", peer),
                           encoding="utf-8") as fh:
@@ -406,9 +410,11 @@ class Rotation:
                     priv, pub = self.priv, self.pub
                 else:
                     priv, pub = rotation.gen_keypair(self._keysize())
-                done = rotation.install(self.opts, priv, pub, rotation.backup_root(self.opts))
+                root = rotation.backup_root(self.opts)
+                done = rotation.install(self.opts, priv, pub, root)
             except (rotation.RotationError, OSError, ValueError) as exc:
                 return f"{self.primary}: no new key: {exc}"
+            backup.trim(os.path.dirname(root), self.backup_keep)
             step.update(state=rotation.WRITTEN, old=done["old"], new=done["new"],
                         backup=done["backup"])
             self.save()

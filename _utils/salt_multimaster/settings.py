@@ -14,7 +14,7 @@ import os
 
 from salt.exceptions import SaltInvocationError
 
-from salt_multimaster import layout, protocol, replicate, transport, validate
+from salt_multimaster import backup, layout, protocol, replicate, transport, validate
 from salt_multimaster import sync as sync_core
 
 log = logging.getLogger(__name__)
@@ -40,10 +40,11 @@ def conf(opts, kwargs):
     conf.setdefault("timeout", DEFAULT_TIMEOUT)
     conf.setdefault("inline_limit", transport.INLINE_LIMIT)
     conf.setdefault("pull_min_files", transport.PULL_MIN_FILES)
-    conf.setdefault("backup_keep", sync_core.BACKUP_KEEP)
+    conf.setdefault("backup_keep", backup.DEFAULT_KEEP)
     conf.setdefault("verify_interval", sync_core.VERIFY_INTERVAL)
     conf["timeout"] = timeout(conf["timeout"])
-    for key in ("inline_limit", "pull_min_files", "backup_keep", "verify_interval"):
+    conf["backup_keep"] = valid(validate.keep, "backup_keep", conf["backup_keep"])
+    for key in ("inline_limit", "pull_min_files", "verify_interval"):
         try:
             conf[key] = int(conf[key])
         except (TypeError, ValueError):

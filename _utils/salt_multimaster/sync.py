@@ -18,9 +18,6 @@ import time
 from salt_multimaster import (daemon, journal, keyscan, layout, manifest, outage, protocol,
                               replicate, rootscan, statefile)
 
-# Backups kept on each peer (the newest; each apply that replaced or removed
-# anything makes one).
-BACKUP_KEEP = 10
 # A full sync reads every file and key again (rescan) when the last one
 # that did is older than this (multimaster:verify_interval, seconds; 0:
 # never): what stat and the change journal cannot see is caught within it.

@@ -125,6 +125,13 @@ def delay(name, value, maximum=MAX_DELAY):
     return int(number)
 
 
+def keep(name, value):
+    """How many backups to keep: a whole number of at least 1."""
+    if isinstance(value, bool) or not str(value).isdigit() or int(value) < 1:
+        raise InvalidInput(f"{name} must be a whole number of at least 1, not {value!r}")
+    return int(value)
+
+
 def known_kwargs(kwargs, allowed):
     """
     Refuse keyword arguments a function does not know (a misspelt

@@ -32,7 +32,7 @@ def _config(cluster, topology):
     dropin.parent.mkdir(exist_ok=True)
     dropin.write_text(
         f"multimaster:\n  peers: [{cluster.peer_minions[0].id}]\n  topology: {topology}\n"
-        "  master_restart_cmd: 'true'\n")
+        "  master_restart_cmd: 'true'\n  backup_keep: 2\n")
 
 
 def _share_sign_pair(cluster):
@@ -135,6 +135,20 @@ def _check_backup(master, old_pub):
     assert stat.S_IMODE(pem.parent.parent.stat().st_mode) == 0o700
 
 
+def _old_backups(master):
+    """Three backups older than any a test makes, in ``master``'s backup dir: their names."""
+    base = pathlib.Path(master.config["cachedir"]) / "multimaster" / "backup"
+    names = [f"2020010{day}T000000.000000Z" for day in (1, 2, 3)]
+    for name in names:
+        (base / name).mkdir(mode=0o700, parents=True)
+    return names
+
+
+def _kept_backups(master):
+    return sorted(p.name for p in (pathlib.Path(master.config["cachedir"]) / "multimaster"
+                                   / "backup").iterdir())
+
+
 def _running(cluster, topology, **start):
     """The fixture's body: ``cluster`` configured for ``topology``, started, then stopped."""
     _config(cluster, topology)
@@ -220,6 +234,7 @@ def test_shared_rotation_with_a_stopped_minion(shared):
     stopped, running = shared.minions[1], shared.minions[0]
     old = _pub(primary)
     assert _pub(peer) == old
+    older = {m.id: _old_backups(m) for m in shared.masters}
     stopped.terminate()
     with _watcher(shared) as watcher:
         ret = _rotate(shared, "verify_wait=5")
@@ -230,6 +245,9 @@ def test_shared_rotation_with_a_stopped_minion(shared):
     assert new != old and _pub(peer) == new
     for master in shared.masters:
         _check_backup(master, old)
+        # multimaster:backup_keep (2) on every master: the oldest went
+        kept = _kept_backups(master)
+        assert len(kept) == 2 and not set(older[master.id][:2]) & set(kept), (master.id, kept)
     # every reachable minion trusts the new key; the stopped one is named
     for minion in [running, *shared.peer_minions]:
         assert _trusted(minion).strip() == new.strip()

@@ -197,6 +197,7 @@ class FakeSalt:
         self.statuses = []  # status() returns, one per call; then every peer fine
         self.log, self.sleeps = [], []
         self.peer_keys, self.opened = {}, None  # each peer's minion key; the keypair it opened
+        self.sent = {}  # peer -> the arguments of its last rotate_key
 
     def ops(self):
         return rotation_steps.SaltOps(
@@ -227,6 +228,7 @@ class FakeSalt:
             return {"master_keys": {"fingerprint": self.disk[peer]}, "master_running": True,
                     "restart_pending": not self._serves(peer), "master_address": "127.0.0.3"}
         if not kwarg.get("restart_only"):
+            self.sent[peer] = kwarg
             self.log.append(f"new key {peer}")
             if "keypair" in kwarg:
                 self.opened = seal.unseal(self.peer_keys[peer], kwarg["keypair"]["sealed"],
@@ -332,6 +334,20 @@ def test_shared_rotation_one_master_at_a_time(primary, keypair):
                 "which would otherwise put the old key back",
     }
     assert rotation.load_record(rot.state_dir) is None  # done: nothing to resume
+
+
+def test_backup_keep_reaches_every_master(primary):
+    """``multimaster:backup_keep`` prunes the rotation's backups, on the peers and here."""
+    base = pathlib.Path(primary["cachedir"]) / "multimaster" / "backup"
+    old = [f"2020010{day}T000000.000000Z" for day in range(1, 5)]
+    for name in old:
+        (base / name).mkdir(parents=True)
+    fake = _fake(primary)
+    ret, _ = _rotate(fake, "signed", backup_keep=3)
+    assert ret["result"] is True, ret
+    assert {p: kw["backup_keep"] for p, kw in fake.sent.items()} == {"p1": 3, "p2": 3}
+    assert sorted(p.name for p in base.iterdir()) == [
+        *old[2:], os.path.basename(ret["steps"]["m1"]["backup"])]
 
 
 def test_resume_after_the_primary_restart_never_happened(primary):
@@ -540,6 +556,8 @@ def _runner(tmp_path, monkeypatch):
     ({"peers": "m9"}, "'m9' not in multimaster:peers"),
     ({"restart_wait": 0}, "restart_wait must be more than 0 seconds"),
     ({"restart_cmd": ["systemctl"]}, "restart_cmd must be a command"),
+    ({"multimaster": {"backup_keep": 0}},
+     "multimaster:backup_keep must be a whole number of at least 1, not 0"),
     # it restarts this primary too: a program not installed here is refused first
     ({"restart_cmd": "no-such-init salt-master restart"},
      "m1: the restart command 'no-such-init salt-master restart' cannot run: 'no-such-init' "
@@ -547,6 +565,7 @@ def _runner(tmp_path, monkeypatch):
 ])
 def test_rotate_key_refuses_bad_input(tmp_path, monkeypatch, kwargs, error):
     runner = _runner(tmp_path, monkeypatch)
+    runner.__opts__["multimaster"].update(kwargs.pop("multimaster", {}))
     ret = runner.rotate_key(**kwargs)
     assert ret["result"] is False and ret["retcode"] == 1, ret
     assert error in ret["error"]

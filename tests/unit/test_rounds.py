@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from salt_multimaster import (applier, manifest, memory, peer, protocol, rounds, seal, sync,
+from salt_multimaster import (applier, backup, manifest, memory, peer, protocol, rounds, seal,
                               transport)
 from tests.support.cluster import gen_keypair
 from tests.support.history import received
@@ -83,7 +83,7 @@ def _conf():
     return {"peers": [PEER], "topology": "shared", "replicate": list(CATS),
             "master_config_keys": CONFIG_KEYS, "timeout": 30, "rescan": False,
             "inline_limit": transport.INLINE_LIMIT, "pull_min_files": transport.PULL_MIN_FILES,
-            "backup_keep": sync.BACKUP_KEEP}
+            "backup_keep": backup.DEFAULT_KEEP}
 
 
 @pytest.fixture

@@ -62,6 +62,8 @@ def _refused(error):
     ({"minion_ids": []}, "minion_ids is empty ([]): name the minions whose keys to sync, or "
                          "leave minion_ids out for a full sync"),
     ({"only": ""}, "only is empty (''): name the categories to sync, or leave only out"),
+    ({"backup_keep": 0}, "backup_keep must be a whole number of at least 1, not 0"),
+    ({"backup_keep": "many"}, "backup_keep must be a whole number of at least 1, not 'many'"),
 ])
 def test_sync_refuses(runner, kwargs, error):
     assert runner.sync(**kwargs) == _refused(error)
