@@ -19,8 +19,8 @@ import os
 
 import salt.utils.yaml
 
-from salt_multimaster import (backup, compat, confirmed, fsutil, history, keyscan, layout,
-                              manifest, protocol, replicate, revocation, rootscan, seal,
+from salt_multimaster import (backup, compat, confirmed, fsutil, history, journal, keyscan,
+                              layout, manifest, protocol, replicate, revocation, rootscan, seal,
                               statefile, validate)
 from salt_multimaster.peer import PeerError, check_expected, locked
 
@@ -394,32 +394,26 @@ def _digests(value):
 def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
     """
     After an apply: record what this peer now holds in step with the
-    primary (:mod:`salt_multimaster.confirmed`), from what its last
-    inventory read (its saved state) and what the apply did (``ret``).
+    primary (:mod:`salt_multimaster.confirmed`), from a scan of what it
+    holds now and what the apply did (``ret``).  Returns the scan of the
+    keys (None: not scanned), for the history record.
     """
     confirm = confirm if isinstance(confirm, dict) else {}
     digests = {cat: _digests(confirm.get(cat)) for cat in protocol.BUCKETED}
     digests["minion_keys"] = _digests(keys_digest)
+    watch, keys = journal.client(layout.state_dir(mopts)), None
     for cat in protocol.BUCKETED:
         if not ops.get(cat) and digests[cat] is None:
             continue
         done = confirmed.applied(cat, ops.get(cat) or [],
                                  set((ret.get(cat) or {}).get("failed") or ()))
         if cat == "minion_keys":
-            held = keyscan.KeysSnapshot.saved_digest(mopts["pki_dir"], state_dir)
-
-            def part(bucket):
-                parts = keyscan.saved_parts(state_dir, [bucket])
-                return None if parts is None else parts.get(bucket, {})
-
-            def keys_now(ids):
-                return keyscan.keys_state(mopts["pki_dir"], sorted(ids))
+            keys = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir, watch=watch)
+            now = keys.digest, keys.parts
         else:
-            held, keys_now = rootscan.saved_digests(state_dir, cat), None
-
-            def part(bucket, cat=cat):
-                return rootscan.saved_part(state_dir, cat, bucket)
-        confirmed.record_apply(state_dir, cat, done, digests[cat], held, part, keys_now)
+            scan = rootscan.RootsScan(mopts, cat, state_dir, watch=watch)
+            now = scan.raw, scan.parts
+        confirmed.record_apply(state_dir, cat, done, digests[cat], *now)
     shas = _digests(confirm.get("master_config"))
     if shas is not None:
         values = {key: mopts.get(key) for key in shas}
@@ -427,6 +421,7 @@ def record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm):
             if protocol.DROPIN_NAME not in ((ret.get("master_config") or {}).get("failed") or ()):
                 values.update({k: v for k, v in op["values"].items() if k in shas})
         confirmed.record_config(state_dir, values, shas)
+    return keys
 
 
 def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
@@ -495,9 +490,9 @@ def apply(mopts, state_dir, ops, topology, backup_keep, unseal, fetch, restart,
         def work():
             if "minion_keys" in ops:
                 keep_accepted(mopts, ops["minion_keys"])
-            record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm)
+            keys = record_confirmed(mopts, state_dir, ops, ret, keys_digest, confirm)
             if isinstance(keys_digest, dict):
-                history.record_history(mopts, state_dir, keys_digest)
+                history.record_history(mopts, state_dir, keys_digest, keys)
 
         if after is None:
             work()

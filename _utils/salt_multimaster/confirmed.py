@@ -181,9 +181,11 @@ def applied(cat, ops, failed):
     return ret
 
 
-def _with(part, items):
-    ret = {outer: dict(inner) for outer, inner in (part or {}).items()}
-    for outer, name, value in items:
+def _taking(base, pairs, part):
+    """``base`` whose items ``pairs`` (``(outer, name)``) are what ``part`` holds of them."""
+    ret = {outer: dict(inner) for outer, inner in base.items()}
+    for outer, name in pairs:
+        value = (part.get(outer) or {}).get(name)
         if value is None:
             ret.get(outer, {}).pop(name, None)
         else:
@@ -191,17 +193,7 @@ def _with(part, items):
     return {outer: inner for outer, inner in ret.items() if inner}
 
 
-def _with_ids(part, ids, now):
-    """A keys part whose ``ids`` hold the keys of ``now`` (``{state: {id: sha256}}``) only."""
-    ret = {state: {mid: sha for mid, sha in keys.items() if mid not in ids}
-           for state, keys in (part or {}).items()}
-    for state, keys in now.items():
-        for mid, sha in keys.items():
-            ret.setdefault(state, {})[mid] = sha
-    return {state: keys for state, keys in ret.items() if keys}
-
-
-def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, keys_now=None):
+def record_apply(state_dir, cat, done, primary_digest, now_digest, now_parts):
     """
     Record what an apply of ``cat`` left in step with the primary.
 
@@ -210,44 +202,33 @@ def record_apply(state_dir, cat, done, primary_digest, held_digest, held_part, k
     primary_digest
         The primary's bucket digests (None: not given, only the items it
         wrote in recorded buckets are recorded).
-    held_digest, held_part(bucket)
-        The peer's bucket digests and parts as its inventory before this
-        apply read them (its saved state); ``held_part`` None when unknown.
-    keys_now(ids)
-        ``minion_keys``: the keys the peer holds of ``ids`` now (every state
-        of an id, which the apply's operations alone do not tell).
+    now_digest, now_parts
+        The peer's bucket digests and parts (``{bucket: part}``) as a scan
+        after the apply read them.
 
-    A bucket the apply wrote, or whose record is not what the peer held,
-    is recorded whole when the peer's part with the apply's items has the
-    primary's digest; else, if recorded, its record takes the items written
-    (they hold the primary's content now); a written bucket whose part is
-    unknown is forgotten (never a stale record).
+    A bucket the apply wrote, or whose record is not what the peer holds,
+    is recorded whole when the peer's part has the primary's digest; else,
+    if recorded, its record takes what the peer holds now of the items
+    written (of a key, its id in every state: the apply's operations alone
+    do not tell which states it left).
     """
     rec = Record(state_dir, cat)
     todo = set(done)
     if primary_digest is not None:
-        todo |= {b for b in ALL_BUCKETS if rec.digest.get(b) != (held_digest or {}).get(b, EMPTY)}
+        todo |= {b for b in ALL_BUCKETS if rec.digest.get(b) != now_digest.get(b, EMPTY)}
     for bucket in sorted(todo):
-        items = done.get(bucket, [])
-        before = held_part(bucket) if primary_digest is not None else None
-        if before is not None:
-            after = _with(before, items)
-            digest = part_digest(after)
-            if digest == primary_digest.get(bucket, EMPTY):
-                rec.set(bucket, after, digest)
-                continue
-        if not items:
-            continue
-        if primary_digest is not None and before is None:
-            rec.drop(bucket)
+        part = now_parts.get(bucket) or {}
+        if primary_digest is not None and (
+                now_digest.get(bucket, EMPTY) == primary_digest.get(bucket, EMPTY)):
+            rec.set(bucket, part)
             continue
         base = rec.part(bucket)
-        if base is not None and keys_now is not None:
-            # every key of an id written: what the peer holds of it now
-            ids = {name for _outer, name, _value in items}
-            rec.set(bucket, _with_ids(base, ids, keys_now(ids)))
-        elif base is not None:
-            rec.set(bucket, _with(base, items))
+        if base is None or not done.get(bucket):
+            continue
+        pairs = {(outer, name) for outer, name, _value in done[bucket]}
+        if cat == "minion_keys":
+            pairs = {(state, name) for _outer, name in pairs for state in manifest.KEY_DIRS}
+        rec.set(bucket, _taking(base, pairs, part))
     rec.save()
 
 

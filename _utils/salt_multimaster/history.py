@@ -71,16 +71,16 @@ def update_history(state_dir, ops, report):
     _save(state_dir, changed)
 
 
-def record_history(mopts, state_dir, primary_digest):
+def record_history(mopts, state_dir, primary_digest, snap=None):
     """
     The explicit history step of an apply: every id of a bucket where this
     peer's keys equal the primary's (``primary_digest``: the primary's
-    bucket digests) came from the primary.  Stamped in the key scan, so
-    the inventory tells the primary whether it is recorded
-    (``history_recorded``).
+    bucket digests) came from the primary.  Stamped in the key scan
+    (``snap``: the one just taken, else a new one), so the inventory tells
+    the primary whether it is recorded (``history_recorded``).
     """
-    snap = keyscan.KeysSnapshot(mopts["pki_dir"], state_dir,
-                                watch=journal.client(layout.state_dir(mopts)))
+    snap = snap or keyscan.KeysSnapshot(mopts["pki_dir"], state_dir,
+                                        watch=journal.client(layout.state_dir(mopts)))
     changed = {}
     for bucket, digest in snap.digest.items():
         if primary_digest.get(bucket) == digest:

@@ -209,15 +209,6 @@ class KeysSnapshot:
             "keys", dict(saved.meta("keys", {}), **fields)), "the key scan's fields",
             durable=False)
 
-    @staticmethod
-    def saved_digest(pki_dir, state_dir):
-        """The digests of the last scan of ``pki_dir``, no key looked at (None: none)."""
-        def digests(saved):
-            return saved.digests(CATEGORY) if saved.meta("keys", {}).get(
-                "pki_dir") == pki_dir else None
-
-        return state_store.read(state_dir, digests)
-
 
 def _part(store, bucket):
     """``{state: {id: sha256}}`` of one bucket as ``store`` holds it (``{}``: empty)."""
@@ -226,38 +217,3 @@ def _part(store, bucket):
                                             (bucket,)):
         part.setdefault(state, {})[mid] = sha
     return part
-
-
-def keys_state(pki_dir, ids, errors=None):
-    """
-    ``{state: {minion_id: sha256}}`` of the keys of ``ids`` only: a few
-    stat calls per id instead of a scan of every key dir (targeted syncs).
-    Invalid ids are reported in ``errors`` and left out.
-    """
-    errors = errors if errors is not None else []
-    ret = {state: {} for state in manifest.KEY_DIRS}
-    for mid in ids:
-        if not manifest.valid_minion_id(mid):
-            errors.append(f"{mid!r}: invalid minion id, skipped")
-            continue
-        for state in manifest.KEY_DIRS:
-            path = os.path.join(pki_dir, state, mid)
-            st = _stat_key(state, mid, path, None, errors)
-            sha = None if st is None else _key_sha(state, mid, path, errors)
-            if sha is not None:
-                ret[state][mid] = sha
-    return ret
-
-
-def saved_parts(state_dir, buckets):
-    """
-    ``{bucket: {state: {id: sha256}}}`` of ``buckets`` as the last scan
-    saw them, an empty bucket left out; None when there was no scan.
-    """
-    def parts(saved):
-        if not saved.meta("keys"):
-            return None
-        found = {bucket: _part(saved, bucket) for bucket in buckets}
-        return {bucket: part for bucket, part in found.items() if part}
-
-    return state_store.read(state_dir, parts)

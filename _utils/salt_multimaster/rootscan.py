@@ -324,29 +324,3 @@ class _Walk:
         if self.known.get(rel) != int(clean):
             self.writes.append(("INSERT OR REPLACE INTO dirs VALUES (?, ?, ?, ?, ?)",
                                 [self.key + (rel, int(clean))]))
-
-
-def saved_digests(state_dir, cat):
-    """
-    The digests of what the last scan of ``cat`` saw, no file looked at;
-    None when there was none.
-    """
-    def digests(saved):
-        return saved.digests(cat) if saved.meta(cat) else None
-
-    return state_store.read(state_dir, digests)
-
-
-def saved_part(state_dir, cat, bucket):
-    """
-    ``{saltenv: {rel: [size, mode, sha256]}}`` of ``bucket`` as the last
-    scan of ``cat`` saw it (``{}``: empty), None when there was none.
-    """
-    def part(saved):
-        meta = saved.meta(cat)
-        if not meta:
-            return None
-        return _merged(_bucket_rows(saved.db, cat, bucket), meta["config"]["roots"])[0].get(
-            bucket, {})
-
-    return state_store.read(state_dir, part)

@@ -158,11 +158,6 @@ def test_previous_parts_are_the_parts_of_the_scan_replaced(pki, tmp_path):
     digest, parts = snap.previous_parts()
     assert digest == before["digest"]
     assert dict(parts()) == manifest.split("minion_keys", before["manifest"])
-    assert keyscan.KeysSnapshot.saved_digest(str(pki), str(state)) == snap.digest
-    assert keyscan.KeysSnapshot.saved_digest("/another/pki", str(state)) is None
-    bucket = manifest.bucket_of("new")
-    assert keyscan.saved_parts(str(state), [bucket]) == {bucket: snap.parts[bucket]}
-    assert keyscan.saved_parts(str(tmp_path / "none"), [bucket]) is None
 
 
 def test_a_scan_in_test_mode_sees_the_change_and_changes_no_store(pki, tmp_path):
@@ -171,7 +166,8 @@ def test_a_scan_in_test_mode_sees_the_change_and_changes_no_store(pki, tmp_path)
     (pki / "minions" / "new").write_bytes(gen_keypair(1024)[1])
     dry = keyscan.KeysSnapshot(str(pki), str(state), keep=False)
     assert _manifest(dry) == _fresh(pki, tmp_path)["manifest"] != before["manifest"]
-    assert keyscan.KeysSnapshot.saved_digest(str(pki), str(state)) == before["digest"]
+    assert store.read(str(state), lambda found: found.digests(keyscan.CATEGORY)) == before[
+        "digest"]
     # the next scan still replaces the one a peer in step holds
     digest, parts = _scan(pki, state)[0].previous_parts()
     assert (digest, dict(parts())) == (
@@ -224,21 +220,6 @@ def test_a_scan_of_another_pki_dir_starts_afresh(pki, tmp_path):
     assert _scan(other, state)[1]["manifest"] == {s: {} for s in manifest.KEY_DIRS}
 
 
-def test_keys_state_is_the_scan_of_chosen_ids(pki, tmp_path):
-    pub, other = gen_keypair(1024)[1], gen_keypair(1024)[1]
-    (pki / "minions" / "web1").write_bytes(pub)
-    (pki / "minions_denied" / "web1").write_bytes(other)
-    (pki / "minions" / "junk").write_text("not a key")
-    errors = []
-    man = _fresh(pki, tmp_path)["manifest"]
-    chosen = keyscan.keys_state(str(pki), ["web1", "absent", "junk", "../x"], errors=errors)
-    assert chosen == {s: {m: v for m, v in man[s].items() if m == "web1"}
-                      for s in manifest.KEY_DIRS}
-    assert chosen["minions_denied"] == {"web1": manifest.key_sha(other)}
-    assert [e.split(":")[0] for e in errors] == ["minions/junk", "'../x'"]
-
-
-# ----- with the change journal ---------------------------------------------------------------
 def test_a_scan_stats_only_the_keys_the_journal_names(pki, tmp_path, monkeypatch):
     fake = FakeWatcher([pki])
     state = tmp_path / "state"

@@ -149,14 +149,12 @@ def test_the_record_takes_a_bucket_whole_when_it_equals_the_primarys(tmp_path, m
     bucket = manifest.bucket_of("web1")
     held = {"minions": {"web1": SHA["a"]}}
     digest = {bucket: confirmed.part_digest(held)}
-    confirmed.record_apply(state, "minion_keys", {}, digest, digest,
-                           lambda b: held if b == bucket else {})
+    confirmed.record_apply(state, "minion_keys", {}, digest, digest, {bucket: held})
     rec = confirmed.Record(state, "minion_keys")
     assert rec.part(bucket) == held and len(rec.digest) == manifest.BUCKETS
     # the same again (a no-op): nothing written
     written = _written(monkeypatch)
-    confirmed.record_apply(state, "minion_keys", {}, digest, digest,
-                           lambda b: held if b == bucket else {})
+    confirmed.record_apply(state, "minion_keys", {}, digest, digest, {bucket: held})
     assert written == []
     # an apply that writes web2 in another bucket, in step after it
     other = manifest.bucket_of(next(f"w{i}" for i in range(99)
@@ -165,8 +163,8 @@ def test_the_record_takes_a_bucket_whole_when_it_equals_the_primarys(tmp_path, m
     done = confirmed.applied("minion_keys", [{"op": "write", "state": "minions", "id": mid,
                                               "sha256": SHA["b"]}], set())
     after = dict(digest, **{other: confirmed.part_digest({"minions": {mid: SHA["b"]}})})
-    confirmed.record_apply(state, "minion_keys", done, after, digest,
-                           lambda b: held if b == bucket else {})
+    confirmed.record_apply(state, "minion_keys", done, after, after,
+                           {bucket: held, other: {"minions": {mid: SHA["b"]}}})
     assert written == [("minion_keys", other)]
     assert confirmed.Record(state, "minion_keys").part(other) == {"minions": {mid: SHA["b"]}}
 
@@ -174,28 +172,48 @@ def test_the_record_takes_a_bucket_whole_when_it_equals_the_primarys(tmp_path, m
 def test_the_record_of_a_bucket_left_out_of_step_takes_the_items_written(tmp_path):
     state = str(tmp_path)
     bucket = manifest.bucket_of("web1")
-    ids = [f"w{i}" for i in range(400) if manifest.bucket_of(f"w{i}") == bucket][:3]
-    base = {"minions": {ids[0]: SHA["a"], ids[1]: SHA["a"]}}
+    ids = [f"w{i}" for i in range(400) if manifest.bucket_of(f"w{i}") == bucket][:4]
+    base = {"minions": {ids[0]: SHA["a"], ids[1]: SHA["a"], ids[3]: SHA["a"]}}
     rec = confirmed.Record(state, "minion_keys")
     rec.set(bucket, base)
     rec.save()
-    # ids[0] rejected on the peer (kept); the primary accepted ids[2]: written
-    held = {"minions": {ids[1]: SHA["a"]}, "minions_rejected": {ids[0]: SHA["a"]}}
-    primary = {"minions": {ids[0]: SHA["a"], ids[1]: SHA["a"], ids[2]: SHA["b"]}}
-    done = confirmed.applied("minion_keys", [{"op": "write", "state": "minions", "id": ids[2],
-                                              "sha256": SHA["b"]}], set())
+    # ids[0] rejected on the peer (kept); the primary accepted ids[2] (written) and
+    # ids[3] anew, which Salt on the peer made pending again meanwhile: its every state
+    now = {"minions": {ids[1]: SHA["a"], ids[2]: SHA["b"]},
+           "minions_rejected": {ids[0]: SHA["a"]}, "minions_pre": {ids[3]: SHA["c"]}}
+    primary = {"minions": {ids[0]: SHA["a"], ids[1]: SHA["a"], ids[2]: SHA["b"],
+                           ids[3]: SHA["c"]}}
+    done = confirmed.applied("minion_keys", [
+        {"op": "write", "state": "minions", "id": mid, "sha256": sha}
+        for mid, sha in ((ids[2], SHA["b"]), (ids[3], SHA["c"]))], set())
     confirmed.record_apply(state, "minion_keys", done, {bucket: confirmed.part_digest(primary)},
-                           {bucket: confirmed.part_digest(held)}, lambda b: held)
+                           {bucket: confirmed.part_digest(now)}, {bucket: now})
     assert confirmed.Record(state, "minion_keys").part(bucket) == {
-        "minions": {ids[0]: SHA["a"], ids[1]: SHA["a"], ids[2]: SHA["b"]}}
-    # a failed write is not recorded; an unknown part forgets the bucket
+        "minions": {ids[0]: SHA["a"], ids[1]: SHA["a"], ids[2]: SHA["b"]},
+        "minions_pre": {ids[3]: SHA["c"]}}
+    # a failed write is not recorded; a bucket not recorded is not recorded by its items
     done = confirmed.applied("minion_keys", [{"op": "remove", "state": "minions", "id": ids[1]}],
                              {f"minions/{ids[1]}"})
     assert done == {}
-    done = confirmed.applied("minion_keys", [{"op": "remove", "state": "minions", "id": ids[1]}],
-                             set())
-    confirmed.record_apply(state, "minion_keys", done, {}, {}, lambda b: None)
-    assert confirmed.Record(state, "minion_keys").part(bucket) is None
+    fresh = str(tmp_path / "fresh")
+    confirmed.record_apply(fresh, "minion_keys", {bucket: [("minions", "x", None)]}, None, {}, {})
+    assert confirmed.Record(fresh, "minion_keys").part(bucket) is None
+
+
+def test_the_record_of_a_root_takes_each_written_file_in_its_saltenv_only(tmp_path):
+    state = str(tmp_path)
+    bucket = manifest.bucket_of("base/a.sls")
+    rec = confirmed.Record(state, "file_roots")
+    rec.set(bucket, {"base": {"a.sls": [1, 0o644, "x"]}, "dev": {"a.sls": [1, 0o644, "x"]}})
+    rec.save()
+    # the primary wrote base:a.sls; dev:a.sls changed on the peer: not the primary's
+    now = {"base": {"a.sls": [2, 0o644, "y"]}, "dev": {"a.sls": [3, 0o644, "z"]}}
+    done = confirmed.applied("file_roots", [{"op": "write", "env": "base", "rel": "a.sls",
+                                             "size": 2, "mode": 0o644, "sha256": "y"}], set())
+    confirmed.record_apply(state, "file_roots", done, {bucket: "other"},
+                           {bucket: confirmed.part_digest(now)}, {bucket: now})
+    assert confirmed.Record(state, "file_roots").part(bucket) == {
+        "base": {"a.sls": [2, 0o644, "y"]}, "dev": {"a.sls": [1, 0o644, "x"]}}
 
 
 def test_since_reports_the_items_changed_and_the_buckets_not_recorded(tmp_path):
