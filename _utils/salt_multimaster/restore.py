@@ -90,23 +90,6 @@ def restore(mopts, state_dir, backup_name, test, restart):
 COLLECT_MAX_BYTES = 512 * 1024
 
 
-def _collect_path(mopts, cat, fields):
-    """Where this peer holds the item, confined to its pki_dir or roots."""
-    if cat == "minion_keys":
-        if fields["state"] not in manifest.KEY_DIRS or not manifest.valid_minion_id(
-                fields["id"]):
-            raise PeerError("not a minion key")
-        return fsutil.safe_join(mopts["pki_dir"], f"{fields['state']}/{fields['id']}")
-    roots = (mopts.get(cat) or {}).get(fields["env"])
-    if not roots:
-        raise PeerError(f"saltenv {fields['env']!r} is not configured here")
-    fsutil.safe_join(roots[0], fields["rel"])  # validates the path
-    found = manifest.locate_confined(roots, fields["rel"])
-    if not found:
-        raise PeerError("not found")
-    return found
-
-
 def collect(mopts, items, receiver, reply_pub):
     """
     The contents of ``items`` (:func:`protocol.item_name`: minion keys and
@@ -121,10 +104,12 @@ def collect(mopts, items, receiver, reply_pub):
     total = 0
     for item in items:
         try:
-            cat, fields = protocol.parse_item(item)
+            cat = protocol.parse_item(item)[0]
             if cat not in ("minion_keys", "file_roots", "pillar_roots"):
                 raise PeerError("only minion keys and roots files are collected")
-            path = _collect_path(mopts, cat, fields)
+            path = restore_target(mopts, item)[0]  # confined to its pki_dir or roots
+            if not os.path.isfile(path):
+                raise PeerError("not found")
             if os.path.getsize(path) > COLLECT_MAX_BYTES:
                 raise PeerError(f"larger than {COLLECT_MAX_BYTES // 1024} KiB, more than a "
                                 "return carries: copy it to the primary by hand, or keep it")
@@ -141,6 +126,8 @@ def collect(mopts, items, receiver, reply_pub):
                                   "mode": fsutil.safe_mode(st.st_mode & 0o7777),
                                   "sealed": seal.seal(reply_pub, data, receiver,
                                                       f"failback/{item}")}
+        except backup.BackupError as exc:
+            ret["errors"].append(str(exc))  # it names the item
         except (PeerError, OSError, fsutil.PathError, protocol.ProtocolError,
                 seal.SealError, ValueError) as exc:
             ret["errors"].append(f"{item}: {exc}")
