@@ -220,6 +220,7 @@ def test_a_scan_of_another_pki_dir_starts_afresh(pki, tmp_path):
     assert _scan(other, state)[1]["manifest"] == {s: {} for s in manifest.KEY_DIRS}
 
 
+# ----- with the change journal ---------------------------------------------------------------
 def test_a_scan_stats_only_the_keys_the_journal_names(pki, tmp_path, monkeypatch):
     fake = FakeWatcher([pki])
     state = tmp_path / "state"
