@@ -61,8 +61,8 @@ def _load(text):
 class Record:
     """
     The record of one bucketed category: ``digest`` (``{bucket: digest}``
-    of the recorded buckets), :meth:`part` of one, :meth:`set` and
-    :meth:`drop` staged until :meth:`save`.
+    of the recorded buckets), :meth:`part` of one, :meth:`set` staged
+    until :meth:`save`.
     """
 
     def __init__(self, state_dir, cat):
@@ -82,39 +82,24 @@ class Record:
             (self.cat, bucket))
         return _load(rows[0][0]) if rows else None
 
-    def set(self, bucket, part, digest=None):
+    def set(self, bucket, part):
         """
-        Record ``part`` for ``bucket`` (``digest``: its :func:`part_digest`,
-        when known); nothing written when it is recorded so already (and
-        readable).
+        Record ``part`` for ``bucket``; nothing written when it is recorded
+        so already (and readable).
         """
         part = {outer: dict(inner) for outer, inner in part.items() if inner}
-        digest = part_digest(part) if digest is None else digest
-        if self.digest.get(bucket) != digest or self.part(bucket) is None:
+        if self.digest.get(bucket) != part_digest(part) or self.part(bucket) is None:
             self.changed[bucket] = part
-
-    def drop(self, bucket):
-        """Forget ``bucket``: it is planned as before the record existed."""
-        if bucket in self.digest:
-            self.changed[bucket] = None
 
     def save(self):
         """Write the changed buckets, in one flushed transaction (the record is spent)."""
         if not self.changed:
             return
-        # (bucket, digest, part JSON); None: the bucket deleted
-        rows = [(bucket, None if part is None else part_digest(part),
-                 None if part is None else json.dumps(part, sort_keys=True))
+        rows = [(self.cat, bucket, part_digest(part), json.dumps(part, sort_keys=True))
                 for bucket, part in sorted(self.changed.items())]
 
         def write(found):
-            for bucket, digest, text in rows:
-                if text is None:
-                    found.db.execute("DELETE FROM confirmed WHERE cat = ? AND bucket = ?",
-                                     (self.cat, bucket))
-                else:
-                    found.db.execute("INSERT OR REPLACE INTO confirmed VALUES (?, ?, ?, ?)",
-                                     (self.cat, bucket, digest, text))
+            found.db.executemany("INSERT OR REPLACE INTO confirmed VALUES (?, ?, ?, ?)", rows)
 
         state_store.record(self.state_dir, write, f"the {self.cat} confirmed")
 
